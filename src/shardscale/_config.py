@@ -1,0 +1,139 @@
+"""Scale-policy configuration: one frozen dataclass, validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+#: Smallest scale allowed by default: the smallest normal float32 (2**-126). Reaching it means
+#: ~142 consecutive overflows from the default initial scale, i.e. a collapsed run.
+DEFAULT_MIN_SCALE = 2.0**-126
+#: Largest scale allowed by default: the largest power of two below float32's max (2**127).
+DEFAULT_MAX_SCALE = 2.0**127
+
+OnCollapse = Literal["raise", "warn"]
+
+
+def _check_real(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a Python float, got {type(value).__name__} ({value!r}).")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}.")
+    return value
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a Python int, got {type(value).__name__} ({value!r}).")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}.")
+    return value
+
+
+def check_growth_factor(value: object) -> float:
+    """Validate ``growth_factor`` (> 1). Raises TypeError/ValueError naming the argument."""
+    v = _check_real("growth_factor", value)
+    if v <= 1.0:
+        raise ValueError(
+            f"growth_factor must be > 1.0, got {v}. (torch's FSDP ShardedGradScaler takes "
+            "backoff_factor before growth_factor positionally; pass both by keyword.)"
+        )
+    return v
+
+
+def check_backoff_factor(value: object) -> float:
+    """Validate ``backoff_factor`` (in the open interval (0, 1))."""
+    v = _check_real("backoff_factor", value)
+    if not 0.0 < v < 1.0:
+        raise ValueError(
+            f"backoff_factor must be in (0, 1), got {v}. (torch's FSDP ShardedGradScaler takes "
+            "backoff_factor before growth_factor positionally; pass both by keyword.)"
+        )
+    return v
+
+
+def check_growth_interval(value: object) -> int:
+    """Validate ``growth_interval`` (an int >= 1)."""
+    return _check_int("growth_interval", value, 1)
+
+
+def check_scale(name: str, value: object, min_scale: float, max_scale: float) -> float:
+    """Validate a scale value: finite, > 0 and inside ``[min_scale, max_scale]``."""
+    v = _check_real(name, value)
+    if v <= 0.0:
+        raise ValueError(f"{name} must be > 0, got {v}.")
+    if not min_scale <= v <= max_scale:
+        raise ValueError(
+            f"{name}={v} lies outside [min_scale, max_scale] = [{min_scale}, {max_scale}]; "
+            "change the value or the bounds."
+        )
+    return v
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ScalerConfig:
+    """The dynamic loss-scale policy: how the scale moves after each step.
+
+    All values are plain Python numbers; the scale itself lives in :class:`ScaleState`.
+
+    Attributes:
+        growth_factor: factor (> 1) applied after ``growth_interval`` clean steps in a row.
+        backoff_factor: factor in (0, 1) applied when an overflow (inf/NaN) backs the scale off.
+        growth_interval: clean steps (>= 1) in a row before the scale grows.
+        min_scale: floor of the scale (> 0). The scale never goes below it, so it can never
+            reach 0 (torch's GradScaler reaches exactly 0.0 after ~165 overflows).
+        max_scale: ceiling of the scale (finite, >= min_scale); the scale never becomes inf.
+        hysteresis: overflowing steps tolerated before the scale backs off (>= 1; 1 = back off on
+            every overflow, torch's behaviour). As Megatron-LM's ``DynamicGradScaler``
+            (``hysteresis``) and DeepSpeed's ``DynamicLossScaler`` (``delayed_shift``).
+        consecutive_hysteresis: if False (Megatron-LM), the hysteresis budget is refilled only
+            when the scale grows; if True (DeepSpeed's ``consecutive_hysteresis=True``), it is
+            refilled on every clean step, so only *consecutive* overflows count.
+        dynamic: if False the scale stays at its initial value (e.g. 1.0 in bf16 guard mode);
+            non-finite gradients are still detected and the step still skipped on every rank.
+        max_consecutive_skips: if set (>= 1), this many skipped steps in a row count as a
+            collapse (see ``on_collapse``).
+        on_collapse: ``"raise"`` raises :class:`~shardscale.ScaleCollapseError`, ``"warn"``
+            emits a ``RuntimeWarning`` and goes on. A collapse is an overflow while the scale
+            already sits at ``min_scale`` (as DeepSpeed's ``raise_error_at_min_scale``), or
+            ``max_consecutive_skips`` skipped steps in a row.
+
+    Raises:
+        TypeError: a field has the wrong type.
+        ValueError: a field is out of range; the message names the field and the range.
+    """
+
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    min_scale: float = DEFAULT_MIN_SCALE
+    max_scale: float = DEFAULT_MAX_SCALE
+    hysteresis: int = 1
+    consecutive_hysteresis: bool = False
+    dynamic: bool = True
+    max_consecutive_skips: int | None = None
+    on_collapse: OnCollapse = "raise"
+
+    def __post_init__(self) -> None:
+        check_growth_factor(self.growth_factor)
+        check_backoff_factor(self.backoff_factor)
+        check_growth_interval(self.growth_interval)
+        lo = _check_real("min_scale", self.min_scale)
+        hi = _check_real("max_scale", self.max_scale)
+        if lo <= 0.0:
+            raise ValueError(f"min_scale must be > 0, got {lo}.")
+        if hi < lo:
+            raise ValueError(f"max_scale ({hi}) must be >= min_scale ({lo}).")
+        _check_int("hysteresis", self.hysteresis, 1)
+        for name in ("consecutive_hysteresis", "dynamic"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}.")
+        if self.max_consecutive_skips is not None:
+            _check_int("max_consecutive_skips", self.max_consecutive_skips, 1)
+        if self.on_collapse not in ("raise", "warn"):
+            raise ValueError(f"on_collapse must be 'raise' or 'warn', got {self.on_collapse!r}.")
+        # Store normalised floats (ints are accepted for the float fields).
+        for name in ("growth_factor", "backoff_factor", "min_scale", "max_scale"):
+            object.__setattr__(self, name, float(getattr(self, name)))

@@ -1,0 +1,112 @@
+"""Finding an optimizer's gradients and unscaling/checking them locally, per (device, dtype).
+
+Everything here is local to one rank: no collective, no host synchronisation.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterator
+
+import torch
+
+try:  # DTensor is public from torch 2.5 on; keep the import soft for other builds.
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - torch built without distributed
+    DTensor = None  # type: ignore[assignment,misc]
+
+Buckets = dict[torch.device, dict[torch.dtype, list[torch.Tensor]]]
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The part of ``t`` stored on this rank: a DTensor's local shard, else ``t`` itself.
+
+    For a DTensor this is its ``to_local()`` shard, which shares storage with the DTensor, so an
+    in-place unscale of it unscales the DTensor without DTensor's own collectives.
+    """
+    if DTensor is not None and isinstance(t, DTensor):
+        return t.to_local()
+    return t
+
+
+def iter_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    """Every parameter of every param group of ``optimizer``, in order."""
+    for group in optimizer.param_groups:
+        yield from group["params"]
+
+
+def _grad_values(param: torch.Tensor) -> torch.Tensor | None:
+    """The dense tensor to unscale for ``param.grad`` (None if there is nothing to check).
+
+    Sparse low-precision gradients are coalesced first (``param.grad`` is replaced), because
+    summing duplicate fp16/bf16 entries may itself overflow: the check must see the sums.
+    """
+    grad = param.grad
+    if grad is None:
+        return None
+    grad = local_tensor(grad)
+    if grad.is_sparse:
+        if grad.dtype in (torch.float16, torch.bfloat16) and not grad.is_coalesced():
+            param.grad = grad = grad.coalesce()
+        grad = grad._values()
+    if grad.numel() == 0:
+        return None
+    return grad
+
+
+def bucket_grads(optimizer: torch.optim.Optimizer) -> Buckets:
+    """Group the local gradient tensors of ``optimizer`` by device and dtype.
+
+    Returns:
+        ``{device: {dtype: [tensor, ...]}}`` of dense tensors (local DTensor shards, values of
+        sparse gradients). Parameters without ``.grad`` and empty shards are left out, so a rank
+        that holds no shard gets ``{}``.
+
+    Raises:
+        TypeError: a parameter is not a tensor, or a gradient is not floating point.
+    """
+    buckets: Buckets = defaultdict(lambda: defaultdict(list))
+    for param in iter_params(optimizer):
+        if not isinstance(param, torch.Tensor):
+            raise TypeError(
+                f"optimizer params must be tensors, got {type(param).__name__}; "
+                "build the optimizer from module.parameters()."
+            )
+        values = _grad_values(param)
+        if values is None:
+            continue
+        if not values.is_floating_point():
+            raise TypeError(f"gradients must be floating point, got dtype {values.dtype}.")
+        buckets[values.device][values.dtype].append(values)
+    return buckets
+
+
+def unscale_and_check(
+    buckets: Buckets, inv_scale: torch.Tensor | None
+) -> dict[torch.device, torch.Tensor]:
+    """Multiply every gradient by ``inv_scale`` in place and flag non-finite values.
+
+    One fused kernel (``torch._amp_foreach_non_finite_check_and_unscale_``, the kernel behind
+    ``torch.amp.GradScaler``) per (device, dtype) bucket: one read and one write of each gradient.
+
+    Args:
+        buckets: from :func:`bucket_grads`.
+        inv_scale: 0-d float32 tensor (any device; copied once per device), or None to only check
+            (multiplies by 1.0: the gradients keep their values).
+
+    Returns:
+        ``{device: found_inf}``, each a 0-d float32 tensor on that device, 1.0 if any gradient on
+        the device held inf or NaN, else 0.0. No host synchronisation.
+    """
+    flags: dict[torch.device, torch.Tensor] = {}
+    with torch.no_grad():
+        for device, per_dtype in buckets.items():
+            flag = torch.zeros((), dtype=torch.float32, device=device)
+            if inv_scale is None:
+                inv = torch.ones((), dtype=torch.float32, device=device)
+            else:
+                inv = inv_scale.to(device=device, non_blocking=True)
+            for grads in per_dtype.values():
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv)
+            flags[device] = flag
+    return flags

@@ -1,0 +1,157 @@
+"""Overflow diagnostics: which parameters held inf/NaN gradients, on which rank.
+
+The scan costs one pass over the gradients and is only run on steps that overflowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from ._grads import local_tensor
+
+
+class ScaleCollapseError(RuntimeError):
+    """The loss scale collapsed: it sits at ``min_scale`` and gradients still overflow, or
+    ``max_consecutive_skips`` steps in a row were skipped. Training makes no progress.
+
+    Attributes:
+        step: the number of ``update()`` calls so far (1-based index of the failing step).
+        scale: the loss scale when the error was raised (a Python float).
+        report: the :class:`OverflowReport` of this rank for the failing step, or None.
+    """
+
+    def __init__(self, message: str, step: int, scale: float, report: OverflowReport | None):
+        super().__init__(message)
+        self.step = step
+        self.scale = scale
+        self.report = report
+
+
+@dataclasses.dataclass(frozen=True)
+class OverflowEntry:
+    """One parameter whose gradient held non-finite values on one rank.
+
+    Attributes:
+        name: fully-qualified parameter name (``"<param i of optimizer j>"`` when unnamed).
+        rank: global rank that held the bad gradient shard (0 without torch.distributed).
+        n_inf: number of +/-inf elements in that rank's gradient shard.
+        n_nan: number of NaN elements in that rank's gradient shard.
+        numel: number of elements of the shard.
+        dtype: gradient dtype, as a string (e.g. ``"torch.float16"``).
+        device: gradient device, as a string.
+    """
+
+    name: str
+    rank: int
+    n_inf: int
+    n_nan: int
+    numel: int
+    dtype: str
+    device: str
+
+
+@dataclasses.dataclass(frozen=True)
+class OverflowReport:
+    """Where the non-finite gradients of one step were.
+
+    Attributes:
+        step: ``update()`` calls done before this step (0-based step index).
+        scale: the loss scale the gradients were computed with.
+        entries: one :class:`OverflowEntry` per (parameter, rank) with non-finite values, sorted
+            by rank then name. Empty if the overflow came from a rank not included in the gather.
+    """
+
+    step: int
+    scale: float
+    entries: tuple[OverflowEntry, ...]
+
+    @property
+    def ranks(self) -> list[int]:
+        """Sorted ranks that held non-finite gradients."""
+        return sorted({e.rank for e in self.entries})
+
+    @property
+    def names(self) -> list[str]:
+        """Sorted names of the parameters with non-finite gradients (on any rank)."""
+        return sorted({e.name for e in self.entries})
+
+    def __str__(self) -> str:
+        head = f"overflow at step {self.step} (loss scale {self.scale:g}):"
+        if not self.entries:
+            return head + " no non-finite gradient found in the scanned parameters"
+        lines = [head]
+        for e in self.entries:
+            lines.append(
+                f"  rank {e.rank}: {e.name} ({e.dtype}, {e.numel} elements on {e.device}): "
+                f"{e.n_inf} inf, {e.n_nan} NaN"
+            )
+        return "\n".join(lines)
+
+
+def param_names(source: torch.nn.Module | Mapping[str, torch.Tensor] | None) -> dict[int, str]:
+    """``{id(param): name}`` from a module's ``named_parameters()`` or a ``{name: param}`` map."""
+    if source is None:
+        return {}
+    if isinstance(source, torch.nn.Module):
+        items: Iterable[tuple[str, torch.Tensor]] = source.named_parameters(remove_duplicate=False)
+    elif isinstance(source, Mapping):
+        items = source.items()
+    else:
+        raise TypeError(
+            f"param names must come from an nn.Module or a {{name: parameter}} mapping, got "
+            f"{type(source).__name__}."
+        )
+    return {id(p): name for name, p in items}
+
+
+def scan_local(
+    optimizers: Iterable[torch.optim.Optimizer], names: Mapping[int, str], rank: int
+) -> list[OverflowEntry]:
+    """Count inf/NaN in every local gradient shard of ``optimizers`` (no collective).
+
+    One host synchronisation per gradient tensor: only for steps that overflowed.
+    """
+    entries: list[OverflowEntry] = []
+    for j, opt in enumerate(optimizers):
+        i = 0
+        for group in opt.param_groups:
+            for p in group["params"]:
+                i += 1
+                if p.grad is None:
+                    continue
+                g = local_tensor(p.grad)
+                if g.is_sparse:
+                    g = g.coalesce()._values()
+                if g.numel() == 0:
+                    continue
+                with torch.no_grad():
+                    n_nan = int(torch.isnan(g).sum())
+                    n_inf = int(torch.isinf(g).sum())
+                if n_nan or n_inf:
+                    name = names.get(id(p), f"<param {i - 1} of optimizer {j}>")
+                    entries.append(
+                        OverflowEntry(
+                            name, rank, n_inf, n_nan, g.numel(), str(g.dtype), str(g.device)
+                        )
+                    )
+    return entries
+
+
+def gather_entries(
+    entries: list[OverflowEntry], groups: list[dist.ProcessGroup]
+) -> list[OverflowEntry]:
+    """All-gather the entries of every rank over each group (collective on every member)."""
+    merged = list(entries)
+    for group in groups:
+        out: list[list[OverflowEntry] | None] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(out, merged, group=group)
+        seen: dict[tuple[str, int], OverflowEntry] = {}
+        for part in out:
+            for e in part or []:
+                seen[(e.name, e.rank)] = e
+        merged = list(seen.values())
+    return sorted(merged, key=lambda e: (e.rank, e.name))

@@ -1,0 +1,130 @@
+"""The one cross-rank reduction: agree on found_inf with a MAX all-reduce.
+
+Process groups are given explicitly (a ``ProcessGroup``, a ``DeviceMesh`` or a sequence of
+them); ``None`` means the default group when ``torch.distributed`` is initialized at the time of
+the call, and no communication otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Union
+
+import torch
+import torch.distributed as dist
+
+try:
+    from torch.distributed.device_mesh import DeviceMesh
+except ImportError:  # pragma: no cover
+    DeviceMesh = None  # type: ignore[assignment,misc]
+
+ProcessGroupLike = Union["dist.ProcessGroup", "DeviceMesh", Sequence[Any], None]
+
+# Backends whose collectives take tensors of these device types (the first is preferred).
+_BACKEND_DEVICES = {
+    "gloo": ("cpu",),
+    "mpi": ("cpu",),
+    "ucc": ("cpu", "cuda"),
+    "nccl": ("cuda",),
+    "xccl": ("xpu",),
+    "hccl": ("hpu",),
+}
+
+
+def _is_group(obj: object) -> bool:
+    return dist.is_available() and isinstance(obj, dist.ProcessGroup)
+
+
+def _is_mesh(obj: object) -> bool:
+    return DeviceMesh is not None and isinstance(obj, DeviceMesh)
+
+
+def validate_process_group(process_group: object) -> None:
+    """Check the type of a ``process_group`` argument without resolving it.
+
+    Raises:
+        TypeError: not None, a ProcessGroup, a DeviceMesh, or a non-empty list/tuple of those.
+    """
+    if process_group is None or _is_group(process_group) or _is_mesh(process_group):
+        return
+    if isinstance(process_group, (list, tuple)) and process_group:
+        for item in process_group:
+            if not (_is_group(item) or _is_mesh(item)):
+                raise TypeError(
+                    "process_group sequence items must be ProcessGroup or DeviceMesh, got "
+                    f"{type(item).__name__}."
+                )
+        return
+    raise TypeError(
+        "process_group must be None, a torch.distributed.ProcessGroup, a DeviceMesh, or a "
+        f"non-empty list/tuple of them; got {type(process_group).__name__}."
+    )
+
+
+def resolve_groups(process_group: ProcessGroupLike) -> list[dist.ProcessGroup]:
+    """The process groups to all-reduce over, with groups of size 1 left out.
+
+    A DeviceMesh contributes one group per mesh dimension (MAX over each dimension in turn is
+    the MAX over the whole mesh).
+    """
+    if process_group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return []
+        items: list[Any] = [dist.group.WORLD]
+    elif isinstance(process_group, (list, tuple)):
+        items = list(process_group)
+    else:
+        items = [process_group]
+    groups: list[dist.ProcessGroup] = []
+    for item in items:
+        if _is_mesh(item):
+            groups.extend(item.get_all_groups())
+        else:
+            groups.append(item)
+    return [g for g in groups if dist.get_world_size(g) > 1]
+
+
+def comm_device(group: dist.ProcessGroup, preferred: torch.device) -> torch.device:
+    """The device a flag must be on for ``group``'s backend (CPU for gloo, CUDA for NCCL).
+
+    ``preferred`` (the scale's device) wins when the backend supports it.
+    """
+    types: list[str] = []
+    try:
+        types = [d.type for d in group._device_types]  # one entry per backend of the group
+    except (AttributeError, RuntimeError):
+        backend = str(dist.get_backend(group))
+        for part in backend.split(","):
+            name = part.split(":")[-1].strip()
+            types.extend(_BACKEND_DEVICES.get(name, ("cpu",)))
+    if not types or preferred.type in types:
+        return preferred
+    if "cpu" in types:
+        return torch.device("cpu")
+    kind = types[0]
+    module = getattr(torch, kind, None)
+    index = (
+        module.current_device() if module is not None and hasattr(module, "current_device") else 0
+    )
+    return torch.device(kind, index)
+
+
+def all_reduce_max(flag: torch.Tensor, groups: list[dist.ProcessGroup]) -> torch.Tensor:
+    """All-reduce ``flag`` with MAX over each group, waiting for completion.
+
+    Args:
+        flag: float32 tensor (any shape) on the scale's device.
+        groups: from :func:`resolve_groups`; empty means no communication.
+
+    Returns:
+        The reduced tensor on ``flag``'s device (``flag`` itself when no copy was needed).
+        One all-reduce per group; the collective is complete (``wait()`` returned) before this
+        function returns, so the result may be read at once.
+    """
+    for group in groups:
+        device = comm_device(group, flag.device)
+        buf = flag if device == flag.device else flag.to(device)
+        dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
+        if buf is not flag:
+            flag = buf.to(flag.device, non_blocking=True)
+    return flag

@@ -1,0 +1,840 @@
+"""``ShardedGradScaler``: a drop-in, shard-aware replacement for ``torch.amp.GradScaler``."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+import weakref
+from collections.abc import Mapping
+from enum import Enum
+from typing import Any, overload
+
+import torch
+
+from . import _sync
+from ._config import (
+    ScalerConfig,
+    check_backoff_factor,
+    check_growth_factor,
+    check_growth_interval,
+    check_scale,
+)
+from ._grads import bucket_grads, unscale_and_check
+from ._policy import COUNTER_NAMES, ScaleState, next_state
+from ._report import (
+    OverflowReport,
+    ScaleCollapseError,
+    gather_entries,
+    param_names,
+    scan_local,
+)
+
+logger = logging.getLogger("shardscale")
+
+_ORDER = (
+    "scaler.scale(loss).backward() -> [scaler.unscale_(opt)] -> scaler.step(opt) -> scaler.update()"
+)
+
+
+class OptState(Enum):
+    """Where one optimizer is in the current iteration (as ``torch.amp.grad_scaler.OptState``)."""
+
+    READY = 0
+    UNSCALED = 1
+    STEPPED = 2
+
+
+@dataclasses.dataclass
+class _PerOptimizer:
+    stage: OptState = OptState.READY
+    #: 0-d float32 on the scale's device, agreed across ranks: 1.0 if this step overflowed.
+    found_inf: torch.Tensor | None = None
+    optimizer: weakref.ref | None = None
+
+
+@dataclasses.dataclass
+class _LastStep:
+    """What update() remembers of the iteration it closed (for reports and last_step_skipped)."""
+
+    index: int
+    scale: torch.Tensor
+    found_inf: torch.Tensor
+    optimizers: list[weakref.ref]
+
+
+class ShardedGradScaler:
+    """Dynamic loss scaling for fp16/bf16 training that is correct across shards and ranks.
+
+    The public API and ``state_dict`` keys are those of ``torch.amp.GradScaler`` (and of
+    ``torch.distributed.fsdp.ShardedGradScaler``), so swapping the import is enough::
+
+        scaler = ShardedGradScaler()
+        for input, target in data:
+            optimizer.zero_grad()
+            loss = loss_fn(model(input), target)
+            scaler.scale(loss).backward()   # gradients are scaled by S
+            scaler.step(optimizer)          # unscale + inf/NaN check + ONE all-reduce; skip or step
+            scaler.update()                 # S *= backoff_factor after an overflow, S *= growth_factor
+                                            # after growth_interval clean steps (see _policy.py)
+
+    What differs from torch's scalers:
+
+    * **Agreement.** Each optimizer's found_inf flag is all-reduced (MAX) across the process
+      group(s) in exactly one collective per ``unscale_`` (torch's ``ShardedGradScaler`` issues
+      one per device, and two under FSDP2), so every rank skips the same steps. Fused optimizers
+      receive the agreed flag. Works on CPU with gloo (torch's ``.cuda()`` calls do not).
+    * **Any gradient.** Plain tensors, FSDP2 DTensor shards (the local shard is unscaled; DTensor's
+      own per-bucket all-reduce is not triggered), FSDP1 flat parameters, CPU-offloaded gradients
+      next to device ones, fp32/fp16/bf16 and sparse gradients, ranks holding no shard.
+    * **Bounded scale** in ``[min_scale, max_scale]``, optional hysteresis (Megatron-LM,
+      DeepSpeed), a collapse guard raising :class:`ScaleCollapseError`, skip counters,
+      :meth:`metrics`, :meth:`last_step_skipped` and :meth:`overflow_report`.
+
+    Host synchronisation: ``scale``, ``unscale_`` and ``update`` never synchronise with a device
+    (except ``update`` with a tensor ``new_scale``). ``step`` synchronises once per optimizer to
+    decide whether to call ``optimizer.step()``, except for fused optimizers
+    (``Adam/AdamW/SGD(fused=True)``), which receive ``grad_scale``/``found_inf`` tensors and skip
+    inside the kernel: zero synchronisations.
+
+    .. note:: Low-precision gradients unscaled in place lose values below the dtype's range (an
+       fp16 gradient of 1e-8 becomes 0). With a fused optimizer and no explicit ``unscale_``,
+       the unscale is folded into the kernel's fp32 math and such values survive. Otherwise,
+       reduce gradients in fp32 (FSDP2 ``MixedPrecisionPolicy(reduce_dtype=torch.float32)``,
+       FSDP1 ``MixedPrecision(reduce_dtype=torch.float32)``).
+
+    Args:
+        device: kept for compatibility with ``torch.amp.GradScaler``; the scale lives on the
+            device of the first tensor given to :meth:`scale`. Default ``"cuda"`` if available,
+            else ``"cpu"`` (so a CPU-only machine works with default arguments).
+        init_scale: initial loss scale (finite, > 0). Default 2**16.
+        growth_factor: > 1. Default 2.0.
+        backoff_factor: in (0, 1). Default 0.5.
+        growth_interval: clean steps before growth, >= 1. Default 2000.
+        enabled: if False every method is a pass-through (``step`` calls ``optimizer.step()``).
+        process_group: a ``ProcessGroup``, a ``DeviceMesh`` or a list/tuple of them; the found-inf
+            flag is reduced over all of them (one all-reduce per group or mesh dimension). ``None``:
+            the default group if ``torch.distributed`` is initialized when ``unscale_`` runs,
+            else no communication.
+        min_scale, max_scale, hysteresis, consecutive_hysteresis, max_consecutive_skips,
+        on_collapse, dynamic: the policy beyond torch's, see :class:`ScalerConfig`.
+        report_overflows: if True, every overflowing step builds an :class:`OverflowReport`
+            (one per-parameter scan and one all-gather, only on overflowing steps) and logs it on
+            the ``"shardscale"`` logger. With fused optimizers this adds one host sync per step.
+        param_names: an ``nn.Module`` or ``{name: parameter}`` map used to name parameters in
+            reports (see :meth:`set_param_names`).
+
+    Raises:
+        TypeError, ValueError: a bad argument; the message names it.
+    """
+
+    def __init__(
+        self,
+        device: str | torch.device | None = None,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        process_group: _sync.ProcessGroupLike = None,
+        *,
+        min_scale: float | None = None,
+        max_scale: float | None = None,
+        hysteresis: int = 1,
+        consecutive_hysteresis: bool = False,
+        max_consecutive_skips: int | None = None,
+        on_collapse: str = "raise",
+        dynamic: bool = True,
+        report_overflows: bool = False,
+        param_names: torch.nn.Module | Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if not isinstance(device, (str, torch.device)):
+            raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}.")
+        self._device = torch.device(device).type
+        if not isinstance(enabled, bool):
+            raise TypeError(f"enabled must be a bool, got {enabled!r}.")
+        _sync.validate_process_group(process_group)
+        bounds = {}
+        if min_scale is not None:
+            bounds["min_scale"] = min_scale
+        if max_scale is not None:
+            bounds["max_scale"] = max_scale
+        self._config = ScalerConfig(
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            hysteresis=hysteresis,
+            consecutive_hysteresis=consecutive_hysteresis,
+            max_consecutive_skips=max_consecutive_skips,
+            on_collapse=on_collapse,  # type: ignore[arg-type]
+            dynamic=dynamic,
+            **bounds,
+        )
+        self._init_scale = check_scale(
+            "init_scale", init_scale, self._config.min_scale, self._config.max_scale
+        )
+        self._names = _report_names(param_names)
+        self._enabled = enabled
+        self.process_group = process_group
+        self._report_overflows = bool(report_overflows)
+        self._init_growth_tracker = 0
+        self._init_hysteresis_tracker = hysteresis
+        self._init_counters: tuple[int, ...] = (0,) * len(COUNTER_NAMES)
+        self._state: ScaleState | None = None
+        self._per_optimizer: dict[int, _PerOptimizer] = {}
+        self._skipped: dict[int, torch.Tensor] = {}
+        self._last: _LastStep | None = None
+        self._last_report: OverflowReport | None = None
+        self._pending_collapse: list[tuple[Any, torch.Tensor, _LastStep]] = []
+
+    @classmethod
+    def guard(
+        cls, process_group: _sync.ProcessGroupLike = None, **kwargs: Any
+    ) -> ShardedGradScaler:
+        """A scaler for bf16/fp32 training: scale fixed at 1.0, non-finite steps still skipped.
+
+        Every rank skips the same steps (one all-reduce per ``unscale_``) and the reporting
+        (:meth:`metrics`, :meth:`overflow_report`) works as in fp16 mode. ``kwargs`` are passed to
+        the constructor (e.g. ``max_consecutive_skips``, ``report_overflows``).
+        """
+        kwargs.setdefault("init_scale", 1.0)
+        return cls(process_group=process_group, dynamic=False, **kwargs)
+
+    # ------------------------------------------------------------------ scale
+    @overload
+    def scale(self, outputs: torch.Tensor) -> torch.Tensor: ...
+
+    @overload
+    def scale(self, outputs: list[Any]) -> list[Any]: ...
+
+    @overload
+    def scale(self, outputs: tuple[Any, ...]) -> tuple[Any, ...]: ...
+
+    def scale(self, outputs: torch.Tensor | list[Any] | tuple[Any, ...]) -> Any:
+        """Multiply a loss (or nested lists/tuples of losses) by the current loss scale.
+
+        The scale is created on the device of the first tensor ever scaled (a 0-d float32
+        tensor); outputs on other devices get a copy. The result keeps each output's dtype
+        (an fp16 loss stays fp16). A NaN/inf loss is not an error: its step will be skipped.
+
+        Args:
+            outputs: a floating-point tensor, or a list/tuple (possibly nested) of them.
+
+        Returns:
+            The same structure with every tensor multiplied by the scale (unchanged if disabled).
+
+        Raises:
+            TypeError: anything else (the scaler is left unchanged).
+        """
+        if not self._enabled:
+            return outputs
+        first = _first_tensor(outputs)  # validates the whole structure first
+        if self._state is None:
+            self._lazy_init(first.device)
+        assert self._state is not None
+        scale = self._state.scale
+        if isinstance(outputs, torch.Tensor):
+            return outputs * scale.to(device=outputs.device, non_blocking=True)
+        per_device: dict[torch.device, torch.Tensor] = {}
+
+        def apply(val: Any) -> Any:
+            if isinstance(val, torch.Tensor):
+                s = per_device.get(val.device)
+                if s is None:
+                    s = per_device[val.device] = scale.to(device=val.device, non_blocking=True)
+                return val * s
+            items = [apply(v) for v in val]
+            return type(val)(*items) if hasattr(val, "_fields") else type(val)(items)
+
+        return apply(outputs)
+
+    def _lazy_init(self, device: torch.device) -> None:
+        self._state = ScaleState.create(
+            device,
+            self._init_scale,
+            self._init_growth_tracker,
+            self._init_hysteresis_tracker,
+            self._init_counters,
+        )
+
+    # ---------------------------------------------------------------- unscale
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide ("unscale") ``optimizer``'s gradients by the scale and agree on found_inf.
+
+        Optional: :meth:`step` unscales by itself. Call it to inspect or clip unscaled gradients.
+        One fused unscale+check kernel per (device, dtype) of local gradients (DTensor grads:
+        their local shard), then exactly one all-reduce (MAX) of a 0-d flag per process group,
+        waited on before returning. No host synchronisation with NCCL.
+
+        Raises:
+            RuntimeError: called before :meth:`scale`, twice for this optimizer in one iteration,
+                or after :meth:`step`.
+            TypeError: ``optimizer`` is not an optimizer.
+        """
+        if not self._enabled:
+            return
+        st = self._require_stage("unscale_", optimizer)
+        if st.stage is OptState.UNSCALED:
+            raise RuntimeError(
+                "unscale_() has already been called on this optimizer since the last update(); "
+                f"call it at most once per optimizer per iteration: {_ORDER}."
+            )
+        if st.stage is OptState.STEPPED:
+            raise RuntimeError(
+                f"unscale_() is being called after step() for this optimizer; the order is {_ORDER}."
+            )
+        st.found_inf = self._check(optimizer, self._inv_scale())
+        st.stage = OptState.UNSCALED
+
+    def _inv_scale(self) -> torch.Tensor:
+        assert self._state is not None
+        scale = self._state.scale
+        if scale.device.type == "mps":
+            return scale.reciprocal()
+        # float64 reciprocal, as torch.amp.GradScaler: fp32 division can be imprecise.
+        return scale.double().reciprocal().float()
+
+    def _check(
+        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Local unscale/check, then the single all-reduce. Returns the agreed 0-d flag."""
+        assert self._state is not None
+        home = self._state.scale.device
+        flags = unscale_and_check(bucket_grads(optimizer), inv_scale)
+        local = torch.zeros((), dtype=torch.float32, device=home)
+        for flag in flags.values():
+            local = torch.maximum(local, flag.to(home, non_blocking=True))
+        return _sync.all_reduce_max(local, _sync.resolve_groups(self.process_group))
+
+    # ------------------------------------------------------------------- step
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """Unscale (unless :meth:`unscale_` was called), then step ``optimizer`` unless any rank
+        found inf/NaN in its gradients.
+
+        Non-fused optimizers: one host synchronisation reads the agreed flag; ``optimizer.step``
+        is called only when it is 0. Fused optimizers (``_step_supports_amp_scaling``, e.g.
+        ``AdamW(fused=True)``): ``optimizer.step`` is always called with ``optimizer.grad_scale``
+        (the scale, so the kernel unscales in fp32; None if :meth:`unscale_` already did) and
+        ``optimizer.found_inf`` (the agreed 0-d flag; the kernel skips when it is 1): no sync.
+        Use :meth:`last_step_skipped` to know whether the step was skipped.
+
+        Returns:
+            What ``optimizer.step(*args, **kwargs)`` returned, or None if it was skipped.
+
+        Raises:
+            RuntimeError: called before :meth:`scale`, twice for this optimizer in one
+                iteration, or with a ``closure`` (not supported, as in torch).
+        """
+        if not self._enabled:
+            return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not supported if ShardedGradScaler is enabled.")
+        st = self._require_stage("step", optimizer)
+        if st.stage is OptState.STEPPED:
+            raise RuntimeError(
+                "step() has already been called on this optimizer since the last update(); "
+                f"the order is {_ORDER}, with update() once per iteration."
+            )
+        assert self._state is not None
+        retval = None
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            if st.stage is OptState.READY:
+                st.found_inf = self._check(optimizer, None)  # check only: the kernel unscales
+                user_scale = getattr(optimizer, "grad_scale", None)
+                grad_scale = (
+                    self._state.scale if user_scale is None else self._state.scale * user_scale
+                )
+            else:
+                grad_scale = getattr(optimizer, "grad_scale", None)
+            assert st.found_inf is not None
+            optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
+            optimizer.found_inf = st.found_inf  # type: ignore[attr-defined]
+            try:
+                retval = optimizer.step(*args, **kwargs)
+            finally:
+                del optimizer.grad_scale  # type: ignore[attr-defined]
+                del optimizer.found_inf  # type: ignore[attr-defined]
+            skipped = st.found_inf > 0
+        else:
+            if st.stage is OptState.READY:
+                self.unscale_(optimizer)
+            assert st.found_inf is not None
+            overflow = bool(st.found_inf.item())  # the one host sync of a non-fused step
+            if not overflow:
+                retval = optimizer.step(*args, **kwargs)
+            skipped = torch.tensor(overflow)
+        st.stage = OptState.STEPPED
+        self._skipped[id(optimizer)] = skipped
+        if self._report_overflows and bool(skipped):
+            report = self._build_report([optimizer], self._state.scale, self._step_index())
+            logger.warning("%s", report)
+        return retval
+
+    # ----------------------------------------------------------------- update
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """Update the loss scale after every optimizer of the iteration has stepped.
+
+        Without ``new_scale`` the policy of :class:`ScalerConfig` runs on the device (no host
+        sync): back off after an overflow on any rank (after ``hysteresis`` of them), grow after
+        ``growth_interval`` clean steps, stay inside ``[min_scale, max_scale]``. All optimizers'
+        agreed flags are combined once. With ``new_scale`` (a float, or a 1-element tensor on any
+        device, read with one host sync) the scale is set to it; trackers are kept, as in torch.
+
+        Raises:
+            RuntimeError: no :meth:`step`/:meth:`unscale_` since the last update (nothing to
+                update from), or called before :meth:`scale`.
+            TypeError, ValueError: a bad ``new_scale`` (not a finite value in the bounds).
+            ScaleCollapseError: the scale collapsed and ``on_collapse="raise"`` (the update has
+                been applied and the scaler is ready for the next iteration).
+        """
+        if not self._enabled:
+            return
+        if self._state is None:
+            raise RuntimeError(f"update() was called before scale(); the order is {_ORDER}.")
+        if new_scale is not None:
+            value = self._check_new_scale(new_scale)
+            self._state.scale.fill_(value)
+            self._per_optimizer = {}
+            return
+        stepped = [st for st in self._per_optimizer.values() if st.found_inf is not None]
+        if not stepped:
+            raise RuntimeError(
+                "update() was called but no optimizer was stepped or unscaled since the last "
+                f"update(); the order is {_ORDER}."
+            )
+        found_inf = stepped[0].found_inf
+        for st in stepped[1:]:
+            found_inf = found_inf + st.found_inf
+        assert found_inf is not None
+        last = _LastStep(
+            index=self._step_index(),
+            scale=self._state.scale.clone(),
+            found_inf=found_inf,
+            optimizers=[st.optimizer for st in stepped if st.optimizer is not None],
+        )
+        new, collapsed = next_state(self._state, found_inf, self._config)
+        self._state.copy_from(new)
+        self._last = last
+        self._per_optimizer = {}
+        self._handle_collapse(collapsed, last)
+
+    def _check_new_scale(self, new_scale: object) -> float:
+        if isinstance(new_scale, torch.Tensor):
+            if (
+                new_scale.numel() != 1
+                or new_scale.requires_grad
+                or not new_scale.is_floating_point()
+            ):
+                raise ValueError(
+                    "new_scale must be a float or a 1-element floating-point tensor with "
+                    f"requires_grad=False; got shape {tuple(new_scale.shape)}, dtype "
+                    f"{new_scale.dtype}, requires_grad={new_scale.requires_grad}."
+                )
+            new_scale = float(new_scale.item())
+        return check_scale("new_scale", new_scale, self._config.min_scale, self._config.max_scale)
+
+    # --------------------------------------------------------- collapse guard
+    def _handle_collapse(self, collapsed: torch.Tensor, last: _LastStep) -> None:
+        """Raise/warn on collapse without a host sync on accelerators (checked one step late)."""
+        if collapsed.device.type == "cpu":
+            if bool(collapsed):
+                self._collapse(last)
+            return
+        ready = [p for p in self._pending_collapse if p[0] is None or p[0].query()]
+        self._pending_collapse = [p for p in self._pending_collapse if p not in ready]
+        host = collapsed.to("cpu", non_blocking=True)
+        event = None
+        try:
+            event = torch.Event(device=collapsed.device)  # type: ignore[attr-defined,call-arg]
+            event.record()
+        except (AttributeError, RuntimeError, TypeError):
+            host = collapsed.cpu()  # no event support: read now
+        self._pending_collapse.append((event, host, last))
+        for _, flag, step in ready:
+            if bool(flag):
+                self._collapse(step)
+
+    def _collapse(self, last: _LastStep) -> None:
+        optimizers = [o for o in (ref() for ref in last.optimizers) if o is not None]
+        entries = scan_local(optimizers, self._names, _rank())
+        report = OverflowReport(last.index, float(last.scale), tuple(entries))
+        cfg = self._config
+        why = (
+            f"{cfg.max_consecutive_skips}+ consecutive skipped steps"
+            if cfg.max_consecutive_skips is not None and float(last.scale) > cfg.min_scale
+            else f"the loss scale sits at min_scale={cfg.min_scale:g} and gradients still overflow"
+        )
+        where = ", ".join(f"{e.name} ({e.n_inf} inf, {e.n_nan} NaN)" for e in entries) or (
+            "no non-finite gradient on this rank (another rank, or gradients already zeroed)"
+        )
+        msg = (
+            f"loss scale collapsed at step {last.index} (rank {_rank()}): {why}. "
+            f"Non-finite gradients on this rank: {where}. The NaN/inf does not come from the "
+            "scale: look for a NaN loss or input, a bad learning rate, an fp16 overflow in the "
+            "forward pass (compute that op in fp32 or use bf16), or a log/div of zero."
+        )
+        if cfg.on_collapse == "raise":
+            raise ScaleCollapseError(msg, last.index, float(last.scale), report)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+    # ------------------------------------------------------------- reporting
+    def last_step_skipped(self, optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor:
+        """Whether the last step of ``optimizer`` (or of any optimizer, for None) was skipped.
+
+        Returns:
+            A 0-d bool tensor. Reading it as a Python bool synchronises the host when it lives on
+            an accelerator (fused optimizers); for non-fused optimizers it is a CPU tensor already
+            known to the host. To skip an LR scheduler on skipped steps::
+
+                scaler.step(optimizer); scaler.update()
+                if not scaler.last_step_skipped(optimizer):
+                    scheduler.step()
+
+        Raises:
+            RuntimeError: no step has been taken yet (for this optimizer).
+        """
+        if optimizer is not None:
+            flag = self._skipped.get(id(optimizer))
+            if flag is None:
+                raise RuntimeError("last_step_skipped(): this optimizer has not been stepped yet.")
+            return flag
+        if self._last is None:
+            raise RuntimeError("last_step_skipped(): update() has not been called yet.")
+        return self._last.found_inf > 0
+
+    def metrics(self) -> dict[str, float | int]:
+        """Plain numbers for loggers: ``scale``, ``growth_tracker``, ``hysteresis_tracker``,
+        ``steps``, ``skipped_steps``, ``consecutive_skips``, ``overflows``, ``backoffs``,
+        ``growths`` (see :class:`ScaleState`) and ``last_step_skipped`` (0/1). One host sync."""
+        if not self._enabled:
+            return {"scale": 1.0}
+        if self._state is None:
+            values = [
+                self._init_scale,
+                self._init_growth_tracker,
+                self._init_hysteresis_tracker,
+                *self._init_counters,
+            ]
+        else:
+            s = self._state
+            last = self._last.found_inf if self._last is not None else torch.zeros(())
+            packed = torch.cat(
+                [
+                    s.scale.double().reshape(1),
+                    s.growth_tracker.double().reshape(1),
+                    s.hysteresis_tracker.double().reshape(1),
+                    s.counters.double(),
+                    last.to(s.scale.device).double().reshape(1),
+                ]
+            )
+            values = packed.tolist()  # the one host sync
+        out: dict[str, float | int] = {"scale": float(values[0])}
+        out["growth_tracker"] = int(values[1])
+        out["hysteresis_tracker"] = int(values[2])
+        for i, name in enumerate(COUNTER_NAMES):
+            out[name] = int(values[3 + i])
+        out["last_step_skipped"] = int(len(values) > 3 + len(COUNTER_NAMES) and values[-1] > 0)
+        return out
+
+    def set_param_names(self, source: torch.nn.Module | Mapping[str, torch.Tensor]) -> None:
+        """Name parameters in overflow reports, from a module or a ``{name: parameter}`` map.
+
+        With FSDP1 (``use_orig_params=False``) the optimizer sees flat parameters, named after
+        the ``_flat_param`` attributes.
+        """
+        self._names = _report_names(source)
+
+    def overflow_report(self) -> OverflowReport | None:
+        """Where the non-finite gradients of the last stepped iteration were, on every rank.
+
+        Collective: every rank of the process group(s) must call it (all-gather of the entries).
+        Call it after :meth:`step`/:meth:`update` and before ``zero_grad()`` (it scans the
+        gradients). Costs nothing extra on clean steps: returns None without scanning when the
+        last iteration did not overflow (one host sync to know).
+
+        Returns:
+            An :class:`OverflowReport`, or None if the last iteration was clean.
+        """
+        if self._per_optimizer:
+            optimizers = [
+                o
+                for o in (
+                    st.optimizer()
+                    for st in self._per_optimizer.values()
+                    if st.optimizer and st.found_inf is not None
+                )
+                if o is not None
+            ]
+            flags = [
+                st.found_inf for st in self._per_optimizer.values() if st.found_inf is not None
+            ]
+            index = self._step_index()
+            assert self._state is not None
+            scale = self._state.scale
+        elif self._last is not None:
+            optimizers = [o for o in (r() for r in self._last.optimizers) if o is not None]
+            flags = [self._last.found_inf]
+            index, scale = self._last.index, self._last.scale
+        else:
+            return None
+        if not any(bool(f > 0) for f in flags):
+            return None
+        if self._last_report is not None and self._last_report.step == index:
+            return self._last_report
+        return self._build_report(optimizers, scale, index)
+
+    def _build_report(
+        self, optimizers: list[torch.optim.Optimizer], scale: torch.Tensor, index: int
+    ) -> OverflowReport:
+        entries = scan_local(optimizers, self._names, _rank())
+        entries = gather_entries(entries, _sync.resolve_groups(self.process_group))
+        self._last_report = OverflowReport(index, float(scale), tuple(entries))
+        return self._last_report
+
+    def _step_index(self) -> int:
+        if self._state is None:
+            return self._init_counters[0]
+        return int(self._state.counters[0])
+
+    # ------------------------------------------------------- getters/setters
+    def get_scale(self) -> float:
+        """The current scale as a Python float (1.0 if disabled). Synchronises the host."""
+        if not self._enabled:
+            return 1.0
+        return self._init_scale if self._state is None else float(self._state.scale.item())
+
+    def _get_scale_async(self) -> torch.Tensor | None:
+        """The scale tensor without a sync (None before the first :meth:`scale`), as torch."""
+        return None if self._state is None else self._state.scale
+
+    def get_growth_factor(self) -> float:
+        """The growth factor (a Python float)."""
+        return self._config.growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Set the growth factor (> 1). Raises TypeError/ValueError, leaving it unchanged."""
+        check_growth_factor(new_factor)
+        self._config = dataclasses.replace(self._config, growth_factor=new_factor)
+
+    def get_backoff_factor(self) -> float:
+        """The backoff factor (a Python float)."""
+        return self._config.backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Set the backoff factor (in (0, 1)). Raises TypeError/ValueError, leaving it unchanged."""
+        check_backoff_factor(new_factor)
+        self._config = dataclasses.replace(self._config, backoff_factor=new_factor)
+
+    def get_growth_interval(self) -> int:
+        """The growth interval (a Python int)."""
+        return self._config.growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Set the growth interval (int >= 1). Raises TypeError/ValueError, leaving it unchanged."""
+        check_growth_interval(new_interval)
+        self._config = dataclasses.replace(self._config, growth_interval=new_interval)
+
+    def is_enabled(self) -> bool:
+        """Whether scaling is enabled."""
+        return self._enabled
+
+    @property
+    def config(self) -> ScalerConfig:
+        """The (frozen) policy in force."""
+        return self._config
+
+    # ----------------------------------------------------------- state dict
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler's state as plain Python values (safe for ``torch.load(weights_only=True)``).
+
+        Keys: torch's five (``scale``, ``growth_factor``, ``backoff_factor``,
+        ``growth_interval``, ``_growth_tracker``), then ``min_scale``, ``max_scale``,
+        ``hysteresis``, ``consecutive_hysteresis``, ``dynamic``, ``max_consecutive_skips``,
+        ``on_collapse``, ``_hysteresis_tracker`` and ``_counters`` (a dict of the counters of
+        :meth:`metrics`). Empty if disabled. One host sync. Call it after :meth:`update` to
+        checkpoint a whole iteration (mid-iteration it holds the state before the update).
+        """
+        if not self._enabled:
+            return {}
+        m = self.metrics()
+        cfg = self._config
+        return {
+            "scale": m["scale"],
+            "growth_factor": cfg.growth_factor,
+            "backoff_factor": cfg.backoff_factor,
+            "growth_interval": cfg.growth_interval,
+            "_growth_tracker": m["growth_tracker"],
+            "min_scale": cfg.min_scale,
+            "max_scale": cfg.max_scale,
+            "hysteresis": cfg.hysteresis,
+            "consecutive_hysteresis": cfg.consecutive_hysteresis,
+            "dynamic": cfg.dynamic,
+            "max_consecutive_skips": cfg.max_consecutive_skips,
+            "on_collapse": cfg.on_collapse,
+            "_hysteresis_tracker": m["hysteresis_tracker"],
+            "_counters": {name: m[name] for name in COUNTER_NAMES},
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a state from :meth:`state_dict` or from ``torch.amp.GradScaler.state_dict()``.
+
+        Keys missing from a torch state dict keep this scaler's settings (the hysteresis
+        tracker is refilled, counters start at 0). Everything is validated before anything
+        changes: on error the scaler is left exactly as it was.
+
+        Raises:
+            RuntimeError: empty dict (saved from a disabled scaler), or called between
+                ``unscale_``/``step`` and ``update`` (load at an iteration boundary).
+            TypeError, ValueError: a missing key or a bad value, named in the message.
+        """
+        if not self._enabled:
+            return
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}.")
+        if len(state_dict) == 0:
+            raise RuntimeError(
+                "The state dict is empty, possibly because it was saved from a disabled scaler."
+            )
+        if self._per_optimizer:
+            raise RuntimeError(
+                "load_state_dict() was called in the middle of an iteration (after unscale_/step, "
+                "before update()); load the state at an iteration boundary."
+            )
+        missing = [
+            k
+            for k in (
+                "scale",
+                "growth_factor",
+                "backoff_factor",
+                "growth_interval",
+                "_growth_tracker",
+            )
+            if k not in state_dict
+        ]
+        if missing:
+            raise ValueError(
+                f"state_dict is missing the keys {missing}; pass a scaler state_dict()."
+            )
+        fields = {
+            k: state_dict[k]
+            for k in (
+                "growth_factor",
+                "backoff_factor",
+                "growth_interval",
+                "min_scale",
+                "max_scale",
+                "hysteresis",
+                "consecutive_hysteresis",
+                "dynamic",
+                "max_consecutive_skips",
+                "on_collapse",
+            )
+            if k in state_dict
+        }
+        config = dataclasses.replace(self._config, **fields)  # validates every field
+        scale = check_scale(
+            "state_dict['scale']", state_dict["scale"], config.min_scale, config.max_scale
+        )
+        tracker = _nonneg_int("_growth_tracker", state_dict["_growth_tracker"])
+        hyst = _nonneg_int(
+            "_hysteresis_tracker", state_dict.get("_hysteresis_tracker", config.hysteresis)
+        )
+        raw = state_dict.get("_counters", {})
+        if not isinstance(raw, Mapping) or not set(raw) <= set(COUNTER_NAMES):
+            raise ValueError(
+                f"state_dict['_counters'] must be a dict with keys from {COUNTER_NAMES}."
+            )
+        counters = tuple(_nonneg_int(f"_counters[{n!r}]", raw.get(n, 0)) for n in COUNTER_NAMES)
+        # validated: now mutate
+        self._config = config
+        self._init_scale, self._init_growth_tracker = scale, tracker
+        self._init_hysteresis_tracker, self._init_counters = hyst, counters
+        if self._state is not None:
+            self._state.copy_from(
+                ScaleState.create(self._state.scale.device, scale, tracker, hyst, counters)
+            )
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self._per_optimizer:
+            raise RuntimeError(
+                "A ShardedGradScaler may only be pickled at an iteration boundary (before scale() "
+                "or after update())."
+            )
+        state = self.__dict__.copy()
+        if self._enabled and self._state is not None:
+            sd = self.state_dict()
+            state["_init_scale"] = sd["scale"]
+            state["_init_growth_tracker"] = sd["_growth_tracker"]
+            state["_init_hysteresis_tracker"] = sd["_hysteresis_tracker"]
+            state["_init_counters"] = tuple(sd["_counters"][n] for n in COUNTER_NAMES)
+        for key in ("_state", "_last", "_last_report"):
+            state[key] = None
+        state["_per_optimizer"], state["_skipped"], state["_pending_collapse"] = {}, {}, []
+        if not isinstance(state.get("process_group"), (type(None),)):
+            state["process_group"] = None  # process groups cannot be pickled
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    # ---------------------------------------------------------------- helpers
+    def _require_stage(self, method: str, optimizer: torch.optim.Optimizer) -> _PerOptimizer:
+        if not (hasattr(optimizer, "param_groups") and callable(getattr(optimizer, "step", None))):
+            raise TypeError(
+                f"{method}() takes a torch.optim.Optimizer, got {type(optimizer).__name__}."
+            )
+        if self._state is None:
+            raise RuntimeError(f"{method}() was called before scale(): the order is {_ORDER}.")
+        st = self._per_optimizer.get(id(optimizer))
+        if st is None:
+            st = self._per_optimizer[id(optimizer)] = _PerOptimizer(
+                optimizer=weakref.ref(optimizer)
+            )
+        return st
+
+
+def _report_names(source: torch.nn.Module | Mapping[str, torch.Tensor] | None) -> dict[int, str]:
+    return param_names(source)
+
+
+def _nonneg_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"state_dict[{name!r}] must be an int >= 0, got {value!r}.")
+    return value
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _first_tensor(outputs: object) -> torch.Tensor:
+    """Validate a scale() argument and return its first tensor."""
+    first: list[torch.Tensor] = []
+
+    def visit(val: object, depth: int) -> None:
+        if isinstance(val, torch.Tensor):
+            if not (val.is_floating_point() or val.is_complex()):
+                raise TypeError(
+                    f"scale() takes floating-point tensors (a loss); got dtype {val.dtype}."
+                )
+            first.append(val)
+        elif isinstance(val, (list, tuple)) and depth < 64:
+            for v in val:
+                visit(v, depth + 1)
+        else:
+            raise TypeError(
+                "scale() takes a tensor or a (nested) list/tuple of tensors; got "
+                f"{type(val).__name__}."
+            )
+
+    visit(outputs, 0)
+    if not first:
+        raise TypeError("scale() got a list/tuple with no tensor in it.")
+    return first[0]
+
+
+__all__ = ["ShardedGradScaler", "OptState"]
