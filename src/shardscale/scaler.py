@@ -6,7 +6,7 @@ import dataclasses
 import logging
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from enum import Enum
 from typing import Any, overload
 
@@ -478,6 +478,22 @@ class ShardedGradScaler:
         if cfg.on_collapse == "raise":
             raise ScaleCollapseError(msg, last.index, float(last.scale), report)
         warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+    # ------------------------------------------------------------- clipping
+    def clip_grad_norm_(
+        self,
+        optimizer_or_params: torch.optim.Optimizer | Iterable[torch.Tensor],
+        max_norm: float,
+        norm_type: float = 2.0,
+    ) -> torch.Tensor:
+        """Unscale, compute the global gradient norm across shards and ranks, and clip.
+
+        See :func:`shardscale._clip.clip_grad_norm_` for the algorithm, the collectives and the
+        errors raised.
+        """
+        from ._clip import clip_grad_norm_
+
+        return clip_grad_norm_(self, optimizer_or_params, max_norm, norm_type)
 
     # ------------------------------------------------------------- reporting
     def last_step_skipped(self, optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor:

@@ -1,0 +1,20 @@
+# Set-up commands for a fresh machine (Python 3.11 + pip). Each target installs what it needs.
+PYTHON ?= python3
+# These machines carry a CPU build of torch 2.13.0; an unpinned torch would pull a multi-GB CUDA build.
+TORCH ?= torch==2.13.0
+
+.PHONY: install demo test lint bench
+
+install:
+	$(PYTHON) -m pip install -q "$(TORCH)"
+	$(PYTHON) -m pip install -q -e ".[test]"
+
+demo: install
+	$(PYTHON) -m shardscale train
+
+test: install
+	$(PYTHON) -m ruff check src tests benchmarks
+	$(PYTHON) -m pytest -q --durations=10
+
+bench: install
+	$(PYTHON) -m shardscale bench
