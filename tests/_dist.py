@@ -13,9 +13,10 @@ from __future__ import annotations
 import os
 import pickle
 import tempfile
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,10 +25,18 @@ import torch.multiprocessing as mp
 TIMEOUT = timedelta(seconds=30)
 
 
-def _worker(rank: int, fn: Callable[..., Any], world_size: int, store: str, out_dir: str, args: tuple) -> None:
+def _worker(
+    rank: int,
+    fn: Callable[..., Any],
+    world_size: int,
+    store: str,
+    out_dir: str,
+    args: tuple,
+    timeout: timedelta = TIMEOUT,
+) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=world_size, timeout=TIMEOUT
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world_size, timeout=timeout
     )
     try:
         result = fn(rank, world_size, *args)
@@ -37,14 +46,28 @@ def _worker(rank: int, fn: Callable[..., Any], world_size: int, store: str, out_
         dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], tmp_path: Path | None = None, *args: Any, world_size: int = 2) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each rank's result."""
+def run_ranks(
+    fn: Callable[..., Any],
+    tmp_path: Path | None = None,
+    *args: Any,
+    world_size: int = 2,
+    timeout: timedelta | float | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each rank's result.
+
+    ``timeout`` (a ``timedelta`` or seconds) is the default process group's collective timeout,
+    30 s if None.
+    """
+    if timeout is None:
+        timeout = TIMEOUT
+    elif not isinstance(timeout, timedelta):
+        timeout = timedelta(seconds=float(timeout))
     base = Path(tmp_path) if tmp_path is not None else Path(tempfile.mkdtemp())
     out_dir = tempfile.mkdtemp(dir=base)
     store = os.path.join(out_dir, "store")
     mp.start_processes(
         _worker,
-        args=(fn, world_size, store, out_dir, args),
+        args=(fn, world_size, store, out_dir, args, timeout),
         nprocs=world_size,
         join=True,
         start_method="fork",

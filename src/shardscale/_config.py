@@ -11,6 +11,7 @@ from typing import Literal
 DEFAULT_MIN_SCALE = 2.0**-126
 #: Largest scale allowed by default: the largest power of two below float32's max (2**127).
 DEFAULT_MAX_SCALE = 2.0**127
+_FLOAT32_MAX = 3.4028234663852886e38
 
 OnCollapse = Literal["raise", "warn"]
 
@@ -82,9 +83,11 @@ class ScalerConfig:
         growth_factor: factor (> 1) applied after ``growth_interval`` clean steps in a row.
         backoff_factor: factor in (0, 1) applied when an overflow (inf/NaN) backs the scale off.
         growth_interval: clean steps (>= 1) in a row before the scale grows.
-        min_scale: floor of the scale (> 0). The scale never goes below it, so it can never
-            reach 0 (torch's GradScaler reaches exactly 0.0 after ~165 overflows).
-        max_scale: ceiling of the scale (finite, >= min_scale); the scale never becomes inf.
+        min_scale: floor of the scale (>= 2**-126, so 1/scale stays finite in float32). The
+            scale never goes below it, so it can never reach 0 (torch's GradScaler reaches
+            exactly 0.0 after 166 overflows).
+        max_scale: ceiling of the scale (<= float32 max, >= min_scale); the scale never
+            becomes inf.
         hysteresis: overflowing steps tolerated before the scale backs off (>= 1; 1 = back off on
             every overflow, torch's behaviour). As Megatron-LM's ``DynamicGradScaler``
             (``hysteresis``) and DeepSpeed's ``DynamicLossScaler`` (``delayed_shift``).
@@ -122,8 +125,16 @@ class ScalerConfig:
         check_growth_interval(self.growth_interval)
         lo = _check_real("min_scale", self.min_scale)
         hi = _check_real("max_scale", self.max_scale)
-        if lo <= 0.0:
-            raise ValueError(f"min_scale must be > 0, got {lo}.")
+        if lo < DEFAULT_MIN_SCALE:
+            raise ValueError(
+                f"min_scale must be >= 2**-126 (the smallest normal float32), got {lo}: below it "
+                "1/scale overflows float32 to inf and zero gradients are unscaled to NaN."
+            )
+        if hi > _FLOAT32_MAX:
+            raise ValueError(
+                f"max_scale must be <= {_FLOAT32_MAX} (the largest float32), got {hi}: a larger "
+                "bound lets the float32 scale become inf."
+            )
         if hi < lo:
             raise ValueError(f"max_scale ({hi}) must be >= min_scale ({lo}).")
         _check_int("hysteresis", self.hysteresis, 1)

@@ -19,7 +19,8 @@ class ScaleCollapseError(RuntimeError):
     ``max_consecutive_skips`` steps in a row were skipped. Training makes no progress.
 
     Attributes:
-        step: the number of ``update()`` calls so far (1-based index of the failing step).
+        step: ``update()`` calls done before the failing step (its 0-based index, as
+            :attr:`OverflowReport.step`).
         scale: the loss scale when the error was raised (a Python float).
         report: the :class:`OverflowReport` of this rank for the failing step, or None.
     """
@@ -100,6 +101,12 @@ def param_names(source: torch.nn.Module | Mapping[str, torch.Tensor] | None) -> 
         items: Iterable[tuple[str, torch.Tensor]] = source.named_parameters(remove_duplicate=False)
     elif isinstance(source, Mapping):
         items = source.items()
+        for name, p in items:
+            if not isinstance(name, str) or not isinstance(p, torch.Tensor):
+                raise TypeError(
+                    "param names must map str names to parameters, got "
+                    f"{type(name).__name__} -> {type(p).__name__}."
+                )
     else:
         raise TypeError(
             f"param names must come from an nn.Module or a {{name: parameter}} mapping, got "

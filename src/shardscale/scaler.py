@@ -21,7 +21,7 @@ from ._config import (
     check_scale,
 )
 from ._grads import bucket_grads, unscale_and_check
-from ._policy import COUNTER_NAMES, ScaleState, next_state
+from ._policy import COUNTER_NAMES, ScaleState, _f32, next_state
 from ._report import (
     OverflowReport,
     ScaleCollapseError,
@@ -51,16 +51,22 @@ class _PerOptimizer:
     #: 0-d float32 on the scale's device, agreed across ranks: 1.0 if this step overflowed.
     found_inf: torch.Tensor | None = None
     optimizer: weakref.ref | None = None
+    #: set by clip_grad_norm_ for fused optimizers: the grad_scale step() hands to the kernel.
+    grad_scale: torch.Tensor | None = None
 
 
 @dataclasses.dataclass
 class _LastStep:
     """What update() remembers of the iteration it closed (for reports and last_step_skipped)."""
 
-    index: int
+    step: torch.Tensor  # 0-d copy of the step counter: read (a host sync) only when reported
     scale: torch.Tensor
     found_inf: torch.Tensor
     optimizers: list[weakref.ref]
+
+    @property
+    def index(self) -> int:
+        return int(self.step)
 
 
 class ShardedGradScaler:
@@ -118,9 +124,10 @@ class ShardedGradScaler:
             else no communication.
         min_scale, max_scale, hysteresis, consecutive_hysteresis, max_consecutive_skips,
         on_collapse, dynamic: the policy beyond torch's, see :class:`ScalerConfig`.
-        report_overflows: if True, every overflowing step builds an :class:`OverflowReport`
-            (one per-parameter scan and one all-gather, only on overflowing steps) and logs it on
-            the ``"shardscale"`` logger. With fused optimizers this adds one host sync per step.
+        report_overflows: if True, ``update()`` reads the agreed overflow flag (one host sync
+            per iteration) and, on overflowing iterations, builds one :class:`OverflowReport`
+            covering every optimizer stepped (one per-parameter scan and one all-gather) and logs
+            it as a warning on the ``"shardscale"`` logger.
         param_names: an ``nn.Module`` or ``{name: parameter}`` map used to name parameters in
             reports (see :meth:`set_param_names`).
 
@@ -299,14 +306,33 @@ class ShardedGradScaler:
     def _check(
         self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor | None
     ) -> torch.Tensor:
-        """Local unscale/check, then the single all-reduce. Returns the agreed 0-d flag."""
+        """Local unscale/check, then the single all-reduce. Returns the agreed 0-d flag.
+
+        The all-reduce carries ``[found_inf, step, -step]`` (``step``: update() calls so far):
+        after MAX, ``step_max != -(-step)_max`` means the ranks' scalers are out of step, which
+        is raised as a RuntimeError when the result is on the CPU (no host sync). On error the
+        optimizer's iteration stage is left as it was.
+        """
         assert self._state is not None
-        home = self._state.scale.device
-        flags = unscale_and_check(bucket_grads(optimizer), inv_scale)
-        local = torch.zeros((), dtype=torch.float32, device=home)
-        for flag in flags.values():
-            local = torch.maximum(local, flag.to(home, non_blocking=True))
-        return _sync.all_reduce_max(local, _sync.resolve_groups(self.process_group))
+        try:
+            home = self._state.scale.device
+            flags = unscale_and_check(bucket_grads(optimizer), inv_scale)
+            local = torch.zeros((), dtype=torch.float32, device=home)
+            for flag in flags.values():
+                local = torch.maximum(local, flag.to(home, non_blocking=True))
+            groups = _sync.resolve_groups(self.process_group)
+            if not groups:
+                return local
+            step = (self._state.counters[0] % 2**24).to(torch.float32)
+            agreed = _sync.all_reduce_max(torch.stack([local, step, -step]), groups)
+            if agreed.device.type == "cpu":
+                _check_same_step(agreed, self._state.counters)
+            return agreed[0]
+        except BaseException:
+            st = self._per_optimizer.get(id(optimizer))
+            if st is not None and st.stage is OptState.READY and st.found_inf is None:
+                del self._per_optimizer[id(optimizer)]  # a failed call does not start an iteration
+            raise
 
     # ------------------------------------------------------------------- step
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -321,7 +347,8 @@ class ShardedGradScaler:
         Use :meth:`last_step_skipped` to know whether the step was skipped.
 
         Returns:
-            What ``optimizer.step(*args, **kwargs)`` returned, or None if it was skipped.
+            What ``optimizer.step(*args, **kwargs)`` returned; None if a non-fused step was
+            skipped (a fused optimizer is always called and skips inside its kernel).
 
         Raises:
             RuntimeError: called before :meth:`scale`, twice for this optimizer in one
@@ -346,6 +373,8 @@ class ShardedGradScaler:
                 grad_scale = (
                     self._state.scale if user_scale is None else self._state.scale * user_scale
                 )
+            elif st.grad_scale is not None:
+                grad_scale = st.grad_scale  # decided by clip_grad_norm_ (unscale and clip folded)
             else:
                 grad_scale = getattr(optimizer, "grad_scale", None)
             assert st.found_inf is not None
@@ -367,9 +396,6 @@ class ShardedGradScaler:
             skipped = torch.tensor(overflow)
         st.stage = OptState.STEPPED
         self._skipped[id(optimizer)] = skipped
-        if self._report_overflows and bool(skipped):
-            report = self._build_report([optimizer], self._state.scale, self._step_index())
-            logger.warning("%s", report)
         return retval
 
     # ----------------------------------------------------------------- update
@@ -409,7 +435,7 @@ class ShardedGradScaler:
             found_inf = found_inf + st.found_inf
         assert found_inf is not None
         last = _LastStep(
-            index=self._step_index(),
+            step=self._state.counters[0].clone(),  # no host sync in update()
             scale=self._state.scale.clone(),
             found_inf=found_inf,
             optimizers=[st.optimizer for st in stepped if st.optimizer is not None],
@@ -418,19 +444,25 @@ class ShardedGradScaler:
         self._state.copy_from(new)
         self._last = last
         self._per_optimizer = {}
+        self._last_report = None  # a mid-iteration report may miss optimizers stepped later
+        if self._report_overflows and bool(found_inf > 0):  # one report for all optimizers
+            live = [o for o in (ref() for ref in last.optimizers) if o is not None]
+            logger.warning("%s", self._build_report(live, last.scale, last.index))
         self._handle_collapse(collapsed, last)
 
     def _check_new_scale(self, new_scale: object) -> float:
         if isinstance(new_scale, torch.Tensor):
             if (
                 new_scale.numel() != 1
+                or new_scale.device.type == "meta"
                 or new_scale.requires_grad
                 or not new_scale.is_floating_point()
             ):
                 raise ValueError(
                     "new_scale must be a float or a 1-element floating-point tensor with "
-                    f"requires_grad=False; got shape {tuple(new_scale.shape)}, dtype "
-                    f"{new_scale.dtype}, requires_grad={new_scale.requires_grad}."
+                    f"requires_grad=False, not on the meta device; got shape "
+                    f"{tuple(new_scale.shape)}, dtype {new_scale.dtype}, device "
+                    f"{new_scale.device}, requires_grad={new_scale.requires_grad}."
                 )
             new_scale = float(new_scale.item())
         return check_scale("new_scale", new_scale, self._config.min_scale, self._config.max_scale)
@@ -442,8 +474,10 @@ class ShardedGradScaler:
             if bool(collapsed):
                 self._collapse(last)
             return
-        ready = [p for p in self._pending_collapse if p[0] is None or p[0].query()]
-        self._pending_collapse = [p for p in self._pending_collapse if p not in ready]
+        ready, waiting = [], []
+        for pending in self._pending_collapse:  # no tuple equality: it would compare tensors
+            (ready if pending[0] is None or pending[0].query() else waiting).append(pending)
+        self._pending_collapse = waiting
         host = collapsed.to("cpu", non_blocking=True)
         event = None
         try:
@@ -451,7 +485,10 @@ class ShardedGradScaler:
             event.record()
         except (AttributeError, RuntimeError, TypeError):
             host = collapsed.cpu()  # no event support: read now
-        self._pending_collapse.append((event, host, last))
+        if event is None:
+            ready.append((None, host, last))
+        else:
+            self._pending_collapse.append((event, host, last))
         for _, flag, step in ready:
             if bool(flag):
                 self._collapse(step)
@@ -463,14 +500,15 @@ class ShardedGradScaler:
         cfg = self._config
         why = (
             f"{cfg.max_consecutive_skips}+ consecutive skipped steps"
-            if cfg.max_consecutive_skips is not None and float(last.scale) > cfg.min_scale
+            if cfg.max_consecutive_skips is not None and float(last.scale) > _f32(cfg.min_scale)
             else f"the loss scale sits at min_scale={cfg.min_scale:g} and gradients still overflow"
         )
         where = ", ".join(f"{e.name} ({e.n_inf} inf, {e.n_nan} NaN)" for e in entries) or (
             "no non-finite gradient on this rank (another rank, or gradients already zeroed)"
         )
         msg = (
-            f"loss scale collapsed at step {last.index} (rank {_rank()}): {why}. "
+            f"loss scale collapsed at step {last.index} (rank {_rank()}, loss scale "
+            f"{float(last.scale):g}): {why}. "
             f"Non-finite gradients on this rank: {where}. The NaN/inf does not come from the "
             "scale: look for a NaN loss or input, a bad learning rate, an fp16 overflow in the "
             "forward pass (compute that op in fp32 or use bf16), or a log/div of zero."
@@ -757,6 +795,11 @@ class ShardedGradScaler:
         hyst = _nonneg_int(
             "_hysteresis_tracker", state_dict.get("_hysteresis_tracker", config.hysteresis)
         )
+        if hyst > config.hysteresis:
+            raise ValueError(
+                f"state_dict['_hysteresis_tracker']={hyst} exceeds hysteresis="
+                f"{config.hysteresis}; the checkpoint is inconsistent (pass a state_dict())."
+            )
         raw = state_dict.get("_counters", {})
         if not isinstance(raw, Mapping) or not set(raw) <= set(COUNTER_NAMES):
             raise ValueError(
@@ -811,6 +854,21 @@ class ShardedGradScaler:
         return st
 
 
+def _check_same_step(agreed: torch.Tensor, counters: torch.Tensor) -> None:
+    """Raise if the MAX-reduced ``[found_inf, step, -step]`` shows ranks at different steps."""
+    _, high, neg_low = agreed.tolist()  # CPU tensor: no device sync
+    if high != -neg_low:
+        own_step = int(counters[0])  # error path only
+        raise RuntimeError(
+            f"ShardedGradScaler: the ranks are out of step: this rank (rank {_rank()}) is at "
+            f"step {own_step} (update() calls) but the ranks of the process group range over "
+            f"steps {int(-neg_low)}..{int(high)} (mod 2**24), so this found-inf all-reduce met "
+            "another iteration's. Every rank must call scale/step/update in the same order for "
+            "the same optimizers and load the same checkpoint (e.g. a rank stepped fewer "
+            "optimizers, skipped update(), or restored another step's scaler state)."
+        )
+
+
 def _report_names(source: torch.nn.Module | Mapping[str, torch.Tensor] | None) -> dict[int, str]:
     return param_names(source)
 
@@ -836,6 +894,11 @@ def _first_tensor(outputs: object) -> torch.Tensor:
             if not (val.is_floating_point() or val.is_complex()):
                 raise TypeError(
                     f"scale() takes floating-point tensors (a loss); got dtype {val.dtype}."
+                )
+            if val.device.type == "meta":
+                raise ValueError(
+                    "scale() got a tensor on the meta device (no data); compute the loss with a "
+                    "materialized model (module.to_empty(device=...) and initialize it first)."
                 )
             first.append(val)
         elif isinstance(val, (list, tuple)) and depth < 64:
