@@ -77,6 +77,11 @@ def bucket_grads(optimizer: torch.optim.Optimizer) -> Buckets:
             continue
         if not values.is_floating_point():
             raise TypeError(f"gradients must be floating point, got dtype {values.dtype}.")
+        if values.device.type == "meta":
+            raise ValueError(
+                "a gradient is on the meta device (no data); materialize the model "
+                "(module.to_empty(device=...)) before training."
+            )
         buckets[values.device][values.dtype].append(values)
     return buckets
 

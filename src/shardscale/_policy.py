@@ -125,7 +125,8 @@ def next_state(
         ht_after = torch.where(overflow, (ht - 1).clamp_min(0), ht)
         do_backoff = overflow & (ht_after <= 0)
         gt_next = torch.where(overflow, zero_i, gt + 1)
-        do_grow = clean & (gt_next >= config.growth_interval)
+        # int64: an interval beyond int32 (e.g. 2**40, "never grow") must not wrap around
+        do_grow = clean & (gt_next.to(torch.int64) >= config.growth_interval)
         backed = (s * config.backoff_factor).clamp_min(config.min_scale)
         grown = (s * config.growth_factor).clamp_max(config.max_scale)
         new_scale = torch.where(do_backoff, backed, torch.where(do_grow, grown, s)).to(

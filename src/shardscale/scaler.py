@@ -308,9 +308,11 @@ class ShardedGradScaler:
     ) -> torch.Tensor:
         """Local unscale/check, then the single all-reduce. Returns the agreed 0-d flag.
 
-        The all-reduce carries ``[found_inf, step, -step]`` (``step``: update() calls so far):
-        after MAX, ``step_max != -(-step)_max`` means the ranks' scalers are out of step, which
-        is raised as a RuntimeError when the result is on the CPU (no host sync). On error the
+        The all-reduce carries ``[found_inf, step, -step, n, -n]`` (``step``: update() calls so
+        far; ``n``: the optimizer's parameter count): after MAX, ``step_max != -(-step)_max``
+        means the ranks' scalers are out of step, and ``n_max != -(-n)_max`` that the ranks
+        reduce the flags of different optimizers (e.g. ``unscale_`` called in another order);
+        either raises a RuntimeError when the result is on the CPU (no host sync). On error the
         optimizer's iteration stage is left as it was.
         """
         assert self._state is not None
@@ -324,9 +326,11 @@ class ShardedGradScaler:
             if not groups:
                 return local
             step = (self._state.counters[0] % 2**24).to(torch.float32)
-            agreed = _sync.all_reduce_max(torch.stack([local, step, -step]), groups)
+            # which optimizer this is, in a form every rank agrees on: its parameter count
+            n = torch.full((), float(_num_params(optimizer) % 2**24), device=home)
+            agreed = _sync.all_reduce_max(torch.stack([local, step, -step, n, -n]), groups)
             if agreed.device.type == "cpu":
-                _check_same_step(agreed, self._state.counters)
+                _check_same_step(agreed, self._state.counters, optimizer)
             return agreed[0]
         except BaseException:
             st = self._per_optimizer.get(id(optimizer))
@@ -633,7 +637,7 @@ class ShardedGradScaler:
             index, scale = self._last.index, self._last.scale
         else:
             return None
-        if not any(bool(f > 0) for f in flags):
+        if not bool(torch.stack([f.reshape(()) for f in flags]).amax() > 0):  # one host sync
             return None
         if self._last_report is not None and self._last_report.step == index:
             return self._last_report
@@ -854,9 +858,24 @@ class ShardedGradScaler:
         return st
 
 
-def _check_same_step(agreed: torch.Tensor, counters: torch.Tensor) -> None:
-    """Raise if the MAX-reduced ``[found_inf, step, -step]`` shows ranks at different steps."""
-    _, high, neg_low = agreed.tolist()  # CPU tensor: no device sync
+def _num_params(optimizer: torch.optim.Optimizer) -> int:
+    return sum(len(group["params"]) for group in optimizer.param_groups)
+
+
+def _check_same_step(
+    agreed: torch.Tensor, counters: torch.Tensor, optimizer: torch.optim.Optimizer
+) -> None:
+    """Raise if the MAX-reduced ``[found_inf, step, -step, n, -n]`` shows ranks at different
+    steps or reducing different optimizers' flags."""
+    _, high, neg_low, n_high, neg_n_low = agreed.tolist()  # CPU tensor: no device sync
+    if n_high != -neg_n_low:
+        raise RuntimeError(
+            f"ShardedGradScaler: the ranks reduce the found-inf flags of different optimizers: "
+            f"this rank (rank {_rank()}) checks an optimizer with {_num_params(optimizer)} "
+            f"parameters, other ranks one with {int(-neg_n_low)}..{int(n_high)}. Every rank must "
+            "call unscale_/step/clip_grad_norm_ for the optimizers in the same order (safe "
+            "pattern: unscale_(opt_k); step(opt_k) for each k in a fixed order)."
+        )
     if high != -neg_low:
         own_step = int(counters[0])  # error path only
         raise RuntimeError(
