@@ -1,0 +1,202 @@
+"""One-shot CUDA check for shardscale: correctness on the GPU, sync counts, and the benchmark.
+
+Run on a CUDA machine (finishes in well under 5 minutes on one recent GPU)::
+
+    python benchmarks/gpu_check.py            # checks + benchmark (10M/50M/100M, fp32/fp16/bf16)
+    python benchmarks/gpu_check.py --quick    # checks + a small benchmark
+
+What it does:
+
+1. Parity on CUDA: shardscale vs ``torch.amp.GradScaler("cuda")`` over a few training steps with
+   autocast fp16 (parameters equal), with fp16 parameters (vs a hand-written fp32 reference),
+   with ``AdamW(fused=True)``, and ``clip_grad_norm_`` vs torch's unscale_+clip recipe.
+2. Host syncs per iteration measured by CUDA itself (``torch.cuda.set_sync_debug_mode("warn")``):
+   expected 0 with a fused optimizer, 1 otherwise (the skip decision), also on the clip path.
+3. The ``shardscale bench`` table on CUDA, plus unscale bandwidth vs a measured device-to-device
+   copy of the same bytes (target: unscale >= 90% of the copy bandwidth).
+
+Without CUDA it runs a CPU smoke check of the same parity code and exits 0 with a message.
+Exit status: 0 when every check passed (targets that are missed are reported, not failed), 1 if
+a correctness check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+
+from shardscale import ShardedGradScaler, bench
+
+
+def _model(device: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64), torch.nn.Linear(64, 8)
+    )
+    return m.to(device=device, dtype=dtype)
+
+
+def parity_autocast(device: str, fused: bool, clip: bool, steps: int = 6) -> float:
+    """Max |param difference| between shardscale and torch.amp.GradScaler after ``steps``."""
+    a = _model(device)
+    b = copy.deepcopy(a)
+    oa = torch.optim.AdamW(a.parameters(), lr=1e-3, fused=fused)
+    ob = torch.optim.AdamW(b.parameters(), lr=1e-3, fused=fused)
+    sa = ShardedGradScaler(device, init_scale=2.0**14, growth_interval=2)
+    sb = torch.amp.GradScaler(device, init_scale=2.0**14, growth_interval=2)
+    amp_dtype = torch.float16 if device == "cuda" else torch.bfloat16
+    g = torch.Generator(device="cpu").manual_seed(1)
+    for i in range(steps):
+        x = torch.randn(32, 64, generator=g).to(device)
+        if i == 2:
+            x[0, 0] = float("inf")  # one overflowing step: both must skip and back off
+        for m, o, s in ((a, oa, sa), (b, ob, sb)):
+            o.zero_grad()
+            with torch.autocast(device_type=device, dtype=amp_dtype):
+                loss = m(x).float().pow(2).mean()
+            s.scale(loss).backward()
+            if clip:
+                if s is sa:
+                    sa.clip_grad_norm_(oa, 0.1)
+                else:
+                    sb.unscale_(ob)
+                    torch.nn.utils.clip_grad_norm_(b.parameters(), 0.1)
+            s.step(o)
+            s.update()
+    assert sa.get_scale() == sb.get_scale(), (sa.get_scale(), sb.get_scale())
+    return max(
+        (p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters(), strict=True)
+    )
+
+
+def parity_fp16_params(device: str) -> float:
+    """fp16 parameters and gradients (torch's GradScaler refuses them): vs a float64 reference."""
+    m = _model(device, torch.float16)
+    ref = [p.detach().double().clone() for p in m.parameters()]
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    s = ShardedGradScaler(device, init_scale=1024.0)
+    x = torch.randn(16, 64, device=device, dtype=torch.float16)
+    s.scale(m(x).float().pow(2).mean()).backward()
+    grads = [p.grad.double() / 1024.0 for p in m.parameters()]
+    s.step(opt)
+    s.update()
+    return max(
+        (p.double() - (r - 0.1 * g)).abs().max().item()
+        for p, r, g in zip(m.parameters(), ref, grads, strict=True)
+    )
+
+
+def count_syncs(device: str, fused: bool, clip: bool) -> int:
+    """CUDA host syncs in one steady-state iteration (scale, [clip], step, update)."""
+    m = _model(device)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3, fused=fused, capturable=not fused)
+    s = ShardedGradScaler(device)
+    x = torch.randn(8, 64, device=device)
+
+    def iteration() -> None:
+        opt.zero_grad()
+        s.scale(m(x).pow(2).mean()).backward()
+        if clip:
+            s.clip_grad_norm_(opt, 1.0)
+        s.step(opt)
+        s.update()
+
+    iteration()
+    iteration()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            iteration()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def copy_vs_unscale(numel: int, dtype: torch.dtype, rounds: int = 20) -> tuple[float, float]:
+    """(unscale GB/s, device-to-device copy GB/s) over the same GPT-2-shaped gradient bytes."""
+    gs = bench.GradSet(numel, dtype, torch.device("cuda"))
+    dst = [torch.empty_like(g) for g in gs.grads]
+    opt = gs.optimizer("sgd")
+    scaler = ShardedGradScaler("cuda", init_scale=1.0, growth_interval=2**30)
+    scaler.scale(torch.ones((), device="cuda"))
+    t_copy, t_unscale = [], []
+    for _ in range(rounds + 2):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        torch._foreach_copy_(dst, gs.grads)
+        torch.cuda.synchronize()
+        t_copy.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        scaler.unscale_(opt)
+        torch.cuda.synchronize()
+        t_unscale.append(time.perf_counter() - t0)
+        scaler.update()
+    nbytes = 2 * gs.nbytes
+    return nbytes / statistics.median(t_unscale[2:]) / 1e9, nbytes / statistics.median(
+        t_copy[2:]
+    ) / 1e9
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small benchmark sizes")
+    args = parser.parse_args(argv)
+    failures: list[str] = []
+
+    def check(name: str, ok: bool, detail: str) -> None:
+        print(f"[{'ok' if ok else 'FAIL'}] {name}: {detail}")
+        if not ok:
+            failures.append(name)
+
+    if not torch.cuda.is_available():
+        diff = parity_autocast("cpu", fused=False, clip=True, steps=3)
+        check("cpu smoke: clip parity vs torch recipe", diff < 1e-5, f"max |dp| = {diff:.2e}")
+        print("CUDA is not available: GPU checks and the CUDA benchmark were skipped.")
+        return 1 if failures else 0
+
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    for fused in (False, True):
+        for clip in (False, True):
+            diff = parity_autocast("cuda", fused, clip)
+            check(f"parity autocast fp16 fused={fused} clip={clip}", diff < 1e-5, f"{diff:.2e}")
+    diff = parity_fp16_params("cuda")
+    check("fp16 params vs fp64 reference", diff < 2e-3, f"max |dp| = {diff:.2e}")
+    for fused, clip, expect in (
+        (True, False, 0),
+        (True, True, 0),
+        (False, False, 1),
+        (False, True, 1),
+    ):
+        n = count_syncs("cuda", fused, clip)
+        check(f"host syncs fused={fused} clip={clip}", n <= expect, f"{n} (target <= {expect})")
+
+    sizes = [2_000_000, 10_000_000] if args.quick else [10_000_000, 50_000_000, 100_000_000]
+    cfg = bench.Config(sizes=sizes, dtypes=["fp32", "fp16", "bf16"], rounds=10, device="cuda")
+    rows = bench.run(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
+    print(bench.format_table(rows))
+    print("\nunscale vs device-to-device copy (same bytes, read+write):")
+    for numel in sizes:
+        for dname in ("fp32", "fp16", "bf16"):
+            u, c = copy_vs_unscale(numel, bench.DTYPES[dname])
+            flag = "met" if u >= 0.9 * c else "MISSED"
+            print(
+                f"  {numel / 1e6:g}M {dname}: unscale {u:.0f} GB/s, copy {c:.0f} GB/s, "
+                f"{100 * u / c:.0f}% (target >= 90%: {flag})"
+            )
+    if failures:
+        print(f"FAILED: {failures}")
+        return 1
+    print("all correctness checks passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,370 @@
+"""Gradient clipping fused with unscaling: ``ShardedGradScaler.clip_grad_norm_``.
+
+torch's recipe for clipping with a loss scaler is ``scaler.unscale_(opt)`` followed by
+``torch.nn.utils.clip_grad_norm_(params, max_norm)``: one read+write pass to unscale, one read
+pass for the norm, one read+write pass to clip, and, under FSDP, a norm that is only correct if
+the caller knows which gradients are sharded. :func:`clip_grad_norm_` does the same job in
+
+* **one read pass** over the *scaled* gradients computing per-tensor norms (fp32 accumulation,
+  local shards only), split into a *sharded* and a *replicated* part;
+* **one collective**: a 3-element all-reduce ``[sharded_part, replicated_part_on_rank_0,
+  nonfinite_count]`` (SUM, or MAX for ``norm_type=inf``) that yields the global norm *and* the
+  agreed found-inf flag (a non-finite norm means an inf/NaN gradient somewhere);
+* **one write pass** multiplying every gradient by ``min(1, max_norm / (norm + 1e-6)) / scale``,
+  or, for fused optimizers (``Adam/AdamW/SGD(fused=True)``), **no write pass at all**: the
+  coefficient is folded into the ``grad_scale`` that :meth:`ShardedGradScaler.step` hands to the
+  fused kernel (``grad_scale = scale / clip_coef``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from . import _sync
+from ._grads import iter_params, local_tensor
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - torch built without distributed
+    DTensor = None  # type: ignore[assignment,misc]
+
+try:
+    from torch.distributed.fsdp._flat_param import FlatParameter
+except ImportError:  # pragma: no cover
+    FlatParameter = None  # type: ignore[assignment,misc]
+
+#: Elements per chunk when a low-precision CPU gradient is reduced in fp32: torch's CPU norm
+#: converts its whole input to the accumulation dtype first, so chunks bound that temporary
+#: to 1 MiB (fp32) instead of a gradient-sized copy.
+_CPU_CHUNK = 1 << 18
+
+_EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
+
+#: (device, dtype, sharded) -> local dense gradient tensors
+_Buckets = dict[tuple[torch.device, torch.dtype, bool], list[torch.Tensor]]
+
+
+def clip_grad_norm_(
+    scaler: object,
+    optimizer_or_params: torch.optim.Optimizer | Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float | str = 2.0,
+) -> torch.Tensor:
+    """Unscale ``optimizer``'s gradients, compute their global norm across shards/ranks, and clip.
+
+    Equivalent to ``scaler.unscale_(optimizer)`` followed by
+    ``torch.nn.utils.clip_grad_norm_(all_params, max_norm, norm_type)`` on the *unsharded*
+    model, with the found-inf agreement of ``unscale_``: afterwards the optimizer is in the
+    UNSCALED stage with its agreed ``found_inf`` set, so ``scaler.step(optimizer)`` skips (on
+    every rank) or steps, and ``scaler.update()`` backs off after an overflow. Overflow is
+    detected from the norm itself (a non-finite global norm means an inf/NaN gradient).
+
+    Gradients: plain tensors and DDP gradients (replicated: counted once, from the group's rank
+    0), FSDP2 DTensor gradients (``Shard`` placements: local shards summed over ranks;
+    ``Replicate``: counted once), FSDP1 ``FlatParameter`` gradients and ``use_orig_params``
+    views (sharded), CPU-offloaded gradients next to device ones, fp32/fp16/bf16/fp64, sparse
+    gradients (coalesced, their values count). Norms accumulate in fp32 (fp64 for fp64
+    gradients), so scaled fp16 gradients cannot overflow the norm.
+
+    Cost: one read pass computing per-tensor norms, **one** all-reduce of 3 floats (none
+    without a process group), then one in-place multiply pass by
+    ``min(1, max_norm / (norm + 1e-6)) / scale``. For a fused optimizer
+    (``_step_supports_amp_scaling``, e.g. ``AdamW(fused=True)``) there is no write pass: the
+    gradients stay *scaled* in memory and ``step`` passes ``grad_scale = scale / clip_coef`` to
+    the fused kernel, which unscales and clips them in its fp32 math. No host synchronisation.
+    After an overflow (non-fused) the gradients are only unscaled (inf/NaN stay where they
+    were, for :meth:`ShardedGradScaler.overflow_report`); the step is skipped anyway.
+
+    A disabled scaler (``enabled=False``) still clips with the global norm (scale 1, no
+    found-inf bookkeeping), so the same training loop runs with or without fp16.
+
+    Args:
+        scaler: the :class:`~shardscale.ShardedGradScaler` (this is its method's body).
+        optimizer_or_params: the optimizer whose gradients to clip. A plain iterable of
+            parameters is refused (TypeError): the scaler records the overflow flag per
+            optimizer, and unscaling parameters behind the optimizer's back would make
+            ``step`` unscale them a second time. To clip a subset of parameters, call
+            ``scaler.unscale_(optimizer)`` and then ``torch.nn.utils.clip_grad_norm_(subset)``.
+        max_norm: the largest allowed total norm (a finite or infinite number >= 0).
+        norm_type: ``p`` of the p-norm, any number > 0, or ``inf`` / ``"inf"``.
+
+    Returns:
+        The total norm of the unscaled gradients over all ranks and shards, a 0-d float32 tensor
+        on the scale's device (inf/NaN after an overflow), as ``torch.nn.utils.clip_grad_norm_``
+        returns.
+
+    Raises:
+        TypeError: not an optimizer, a non-floating-point gradient, or a bad ``max_norm`` /
+            ``norm_type`` type.
+        ValueError: ``max_norm`` < 0 or NaN, ``norm_type`` <= 0, or a DTensor gradient with a
+            ``Partial`` placement (not yet reduced).
+        RuntimeError: called before ``scale()``, after ``unscale_``/``clip_grad_norm_`` or
+            ``step`` for this optimizer in the same iteration (the order is
+            ``scale -> backward -> clip_grad_norm_ -> step -> update``).
+        NotImplementedError: the scaler reduces over several process groups / a multi-dimensional
+            mesh (e.g. HSDP), or a DTensor gradient lives on a multi-dimensional mesh: which
+            gradients are replicated along which dimension is ambiguous there. Use
+            ``unscale_`` + a norm of your own in that case.
+    """
+    from .scaler import OptState, ShardedGradScaler
+
+    if not isinstance(scaler, ShardedGradScaler):
+        raise TypeError(f"scaler must be a ShardedGradScaler, got {type(scaler).__name__}.")
+    optimizer = optimizer_or_params
+    if not (hasattr(optimizer, "param_groups") and callable(getattr(optimizer, "step", None))):
+        raise TypeError(
+            "clip_grad_norm_() takes the optimizer whose gradients to clip (the overflow flag is "
+            f"recorded per optimizer for step()), got {type(optimizer).__name__}. To clip a "
+            "subset of parameters, call scaler.unscale_(optimizer) and then "
+            "torch.nn.utils.clip_grad_norm_(params, max_norm)."
+        )
+    max_norm_f = _check_max_norm(max_norm)
+    p = _check_norm_type(norm_type)
+    groups = _sync.resolve_groups(scaler.process_group)
+    if len(groups) > 1:
+        raise NotImplementedError(
+            "clip_grad_norm_() supports one process group (or a 1-D DeviceMesh); this scaler "
+            f"reduces over {len(groups)} groups. For HSDP / multi-dimensional meshes, call "
+            "scaler.unscale_(optimizer) and compute the norm with your framework's helper."
+        )
+    group = groups[0] if groups else None
+
+    if not scaler.is_enabled():
+        buckets = _bucket(optimizer)
+        home = _first_device(buckets)
+        total, _ = _global_norm(buckets, p, None, home, group)
+        coef = _clip_coef(total, max_norm_f)
+        with torch.no_grad():
+            _mul_all(buckets, coef)
+        return total
+
+    buckets = _bucket(optimizer)  # validates the gradients before any state changes
+    st = scaler._require_stage("clip_grad_norm_", optimizer)
+    if st.stage is OptState.UNSCALED:
+        raise RuntimeError(
+            "clip_grad_norm_() was called after unscale_() or clip_grad_norm_() on this optimizer "
+            "in this iteration; clip_grad_norm_() unscales by itself, so call it instead of "
+            "unscale_(): scaler.scale(loss).backward() -> scaler.clip_grad_norm_(opt, max_norm) "
+            "-> scaler.step(opt) -> scaler.update()."
+        )
+    if st.stage is OptState.STEPPED:
+        raise RuntimeError(
+            "clip_grad_norm_() was called after step() for this optimizer; the order is "
+            "scaler.scale(loss).backward() -> scaler.clip_grad_norm_(opt, max_norm) -> "
+            "scaler.step(opt) -> scaler.update()."
+        )
+    assert scaler._state is not None
+    scale = scaler._state.scale
+    home = scale.device
+    inv_scale = scaler._inv_scale()
+    total, found_inf = _global_norm(buckets, p, inv_scale, home, group)
+    coef = _clip_coef(total, max_norm_f)
+    overflow = found_inf > 0
+    if getattr(optimizer, "_step_supports_amp_scaling", False):
+        # No write pass: the fused kernel divides by grad_scale (in fp32) and skips on found_inf.
+        st.grad_scale = torch.where(overflow, scale, scale / coef).float()
+    else:
+        factor = torch.where(overflow, inv_scale, coef * inv_scale)
+        with torch.no_grad():
+            _mul_all(buckets, factor)
+    st.found_inf = found_inf
+    st.stage = OptState.UNSCALED
+    return total
+
+
+# ----------------------------------------------------------------------------- validation
+def _check_max_norm(max_norm: object) -> float:
+    if isinstance(max_norm, torch.Tensor) and max_norm.numel() == 1:
+        max_norm = float(max_norm.item())
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
+        raise TypeError(f"max_norm must be a number, got {type(max_norm).__name__}.")
+    value = float(max_norm)
+    if math.isnan(value) or value < 0:
+        raise ValueError(f"max_norm must be >= 0 (inf disables clipping), got {max_norm!r}.")
+    return value
+
+
+def _check_norm_type(norm_type: object) -> float:
+    if isinstance(norm_type, str):
+        if norm_type.strip().lower() != "inf":
+            raise ValueError(f"norm_type must be a number > 0 or 'inf', got {norm_type!r}.")
+        return math.inf
+    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)):
+        raise TypeError(f"norm_type must be a number or 'inf', got {type(norm_type).__name__}.")
+    value = float(norm_type)
+    if math.isnan(value) or value <= 0:
+        raise ValueError(
+            f"norm_type must be > 0 (1, 2, ... or inf), got {norm_type!r}; 0 and -inf are not "
+            "norms."
+        )
+    return value
+
+
+# ------------------------------------------------------------------------------ gradients
+def _is_sharded(param: torch.Tensor, grad: torch.Tensor) -> bool:
+    """Whether ``grad``'s local values are a shard (summed over ranks) or a replica (counted once)."""
+    if DTensor is not None and isinstance(grad, DTensor):
+        placements = grad.placements
+        if grad.device_mesh.ndim != 1:
+            raise NotImplementedError(
+                "clip_grad_norm_() supports DTensor gradients on a 1-D mesh (FSDP2 fully_shard); "
+                f"got a {grad.device_mesh.ndim}-D mesh with placements {placements}."
+            )
+        if any(pl.is_partial() for pl in placements):
+            raise ValueError(
+                f"a DTensor gradient has a Partial placement ({placements}): it is not reduced "
+                "yet, so its norm is undefined; reduce it (redistribute to Shard/Replicate) first."
+            )
+        return any(pl.is_shard() or "Shard" in type(pl).__name__ for pl in placements)
+    if FlatParameter is not None and isinstance(param, FlatParameter):
+        # NO_SHARD keeps the whole flat parameter on every rank: a replica.
+        sharded = getattr(param, "_sharded_size", None)
+        full = getattr(param, "_unpadded_unsharded_size", None)
+        return not (sharded is not None and full is not None and sharded == full)
+    return bool(getattr(param, "_fsdp_flattened", False))
+
+
+def _bucket(optimizer: torch.optim.Optimizer) -> _Buckets:
+    """Local dense gradient tensors grouped by (device, dtype, sharded)."""
+    buckets: _Buckets = {}
+    for param in iter_params(optimizer):
+        if not isinstance(param, torch.Tensor):
+            raise TypeError(
+                f"optimizer params must be tensors, got {type(param).__name__}; "
+                "build the optimizer from module.parameters()."
+            )
+        grad = param.grad
+        if grad is None:
+            continue
+        sharded = _is_sharded(param, grad)
+        values = local_tensor(grad)
+        if values.is_sparse:
+            if not values.is_coalesced():  # duplicate indices: the norm needs their sums
+                coalesced = values.coalesce()
+                param.grad = grad = coalesced
+                values = coalesced
+            values = values._values()
+        if not values.is_floating_point():
+            raise TypeError(f"gradients must be floating point, got dtype {values.dtype}.")
+        if values.device.type == "meta":
+            raise ValueError(
+                "a gradient is on the meta device (no data); materialize the model "
+                "(module.to_empty(device=...)) before training."
+            )
+        if values.numel() == 0:
+            continue
+        buckets.setdefault((values.device, values.dtype, sharded), []).append(values)
+    return buckets
+
+
+def _first_device(buckets: _Buckets) -> torch.device:
+    for device, _, _ in buckets:
+        return device
+    return torch.device("cpu")
+
+
+# ---------------------------------------------------------------------------------- norm
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _local_piece(
+    grads: list[torch.Tensor], p: float, inv: torch.Tensor | None, acc: torch.dtype
+) -> torch.Tensor:
+    """sum(|g / scale|^p) over ``grads`` (max(|g / scale|) for p=inf), a 0-d ``acc`` tensor.
+
+    One read of every gradient. On CUDA (and other accelerators) ``torch._foreach_norm`` with an
+    fp32 output reads low-precision gradients in place. On CPU, fp32/fp64 2-norms use BLAS dot
+    products (no temporary), other fp32 norms ``_foreach_norm``, and fp16/bf16 are reduced in
+    chunks of ``_CPU_CHUNK`` elements because torch's CPU norm converts its input to fp32 first.
+    """
+    device = grads[0].device
+    if device.type == "cpu" and grads[0].dtype in (torch.float16, torch.bfloat16):
+        chunks: list[torch.Tensor] = []
+        for g in grads:
+            chunks.extend(g.view(-1).split(_CPU_CHUNK) if g.is_contiguous() else (g,))
+        norms = torch._foreach_norm(chunks, p, dtype=acc)
+    elif device.type == "cpu" and p == 2.0:
+        flat = [g.view(-1) if g.is_contiguous() else g.reshape(-1) for g in grads]
+        sq = torch.stack([torch.dot(f, f) for f in flat]).sum().to(acc)
+        return sq if inv is None else sq * inv.to(device=device, dtype=acc) ** 2
+    elif device.type == "cpu" or grads[0].dtype == acc:
+        norms = torch._foreach_norm(grads, p)
+    else:
+        norms = torch._foreach_norm(grads, p, dtype=acc)
+    stacked = torch.stack(norms).to(acc)
+    if inv is not None:
+        stacked = stacked * inv.to(device=device, dtype=acc)
+    if math.isinf(p):
+        return stacked.max()
+    if p == 2.0:
+        return (stacked * stacked).sum()
+    return stacked.pow(p).sum()
+
+
+def _global_norm(
+    buckets: _Buckets,
+    p: float,
+    inv_scale: torch.Tensor | None,
+    home: torch.device,
+    group: dist.ProcessGroup | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The total norm over ranks (0-d float32 on ``home``) and the agreed found-inf flag.
+
+    One all-reduce of ``[sharded, replicated (rank 0 only), nonfinite]`` over ``group``.
+    """
+    is_inf = math.isinf(p)
+    parts = {
+        sharded: torch.zeros((), dtype=torch.float32, device=home) for sharded in (True, False)
+    }
+    for (_, dtype, sharded), grads in buckets.items():
+        piece = _local_piece(grads, p, inv_scale, _acc_dtype(dtype))
+        piece = piece.to(device=home, dtype=torch.float32, non_blocking=True)
+        parts[sharded] = torch.maximum(parts[sharded], piece) if is_inf else parts[sharded] + piece
+    sharded_part, replicated_part = parts[True], parts[False]
+    local = (
+        torch.maximum(sharded_part, replicated_part) if is_inf else sharded_part + replicated_part
+    )
+    nonfinite = (~torch.isfinite(local)).float()
+    if group is not None and not is_inf and group.rank() != 0:
+        replicated_part = torch.zeros_like(replicated_part)  # counted once, from rank 0
+    packed = torch.stack([sharded_part, replicated_part, nonfinite])
+    if group is not None:
+        device = _sync.comm_device(group, home)
+        buf = packed if device == home else packed.to(device)
+        op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
+        dist.all_reduce(buf, op=op, group=group)
+        packed = buf if buf is packed else buf.to(home, non_blocking=True)
+    if is_inf:
+        total = torch.maximum(packed[0], packed[1])
+    else:
+        total = packed[0] + packed[1]
+        total = total.sqrt() if p == 2.0 else total.pow(1.0 / p)
+    # a non-finite replicated gradient on a rank other than 0 is only counted in the flag:
+    # report the norm as inf then, as torch.nn.utils.clip_grad_norm_ would on that rank.
+    flagged = packed[2] > 0
+    total = torch.where(flagged & torch.isfinite(total), torch.full_like(total, math.inf), total)
+    found_inf = (flagged | ~torch.isfinite(total)).float()
+    return total, found_inf
+
+
+def _clip_coef(total: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """``min(1, max_norm / (total + 1e-6))`` as torch.nn.utils.clip_grad_norm_ (0-d float32)."""
+    return (max_norm / (total + _EPS)).clamp(max=1.0)
+
+
+def _mul_all(buckets: _Buckets, factor: torch.Tensor) -> None:
+    """Multiply every gradient in place by the 0-d ``factor`` (one ``_foreach_mul_`` per bucket)."""
+    per_device: dict[torch.device, torch.Tensor] = {}
+    for (device, _, _), grads in buckets.items():
+        f = per_device.get(device)
+        if f is None:
+            f = per_device[device] = factor.to(device, non_blocking=True)
+        torch._foreach_mul_(grads, f)
+
+
+__all__ = ["clip_grad_norm_"]
