@@ -1,0 +1,178 @@
+"""Checkpoints: full (unsharded) state dicts gathered on rank 0, written atomically.
+
+A checkpoint is one ``torch.save`` file, ``<out>/checkpoints/step-NNNNNN.pt``, holding::
+
+    {"format": "shardscale.train/1", "step": int, "model": {fqn: tensor},
+     "optim": {"state": ..., "param_groups": ...}, "scaler": scaler.state_dict(),
+     "meta": {"task", "hidden", "classes", ...}}
+
+Model and optimizer states come from ``torch.distributed.checkpoint.state_dict.get_state_dict``
+with ``full_state_dict=True`` (``cpu_offload=True`` on accelerators; works for FSDP2, FSDP1, DDP and plain modules);
+the file is written to a temporary name in the same directory and renamed with ``os.replace``,
+so an interrupted save never leaves a half-written checkpoint. On resume every rank reads the
+file (on several nodes it must be on a shared file system) and loads it with ``set_state_dict``; the scaler gets its exact scale,
+growth tracker and counters back through ``load_state_dict``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .config import ConfigError
+
+FORMAT = "shardscale.train/1"
+_NAME = re.compile(r"step-(\d+)\.pt$")
+
+
+def path_for(out: str | Path, step: int) -> Path:
+    """``<out>/checkpoints/step-NNNNNN.pt``."""
+    return Path(out) / "checkpoints" / f"step-{step:06d}.pt"
+
+
+def resolve(path: str | Path) -> Path:
+    """The checkpoint file named by ``--resume``: a file, or the latest ``step-N.pt`` of a run
+    directory or of its ``checkpoints/`` directory.
+
+    Raises:
+        ConfigError: nothing there, or a directory without checkpoints.
+    """
+    p = Path(path)
+    if p.is_file():
+        return p
+    if not p.is_dir():
+        raise ConfigError(f"--resume {path}: no such file or directory.")
+    for d in (p / "checkpoints", p):
+        found = sorted(
+            (f for f in d.glob("step-*.pt") if _NAME.search(f.name)),
+            key=lambda f: int(_NAME.search(f.name).group(1)),
+        )  # type: ignore[union-attr]
+        if found:
+            return found[-1]
+    raise ConfigError(f"--resume {path}: no checkpoints/step-N.pt in this directory.")
+
+
+def read(path: str | Path) -> dict[str, Any]:
+    """Load and check a checkpoint file (``weights_only=True``: no code runs on load).
+
+    Raises:
+        ConfigError: unreadable, truncated or corrupt file, or not a shardscale checkpoint.
+    """
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # corrupt zip, truncated pickle, permissions...
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"--resume {path}: not a readable checkpoint ({reason[:160]}).") from None
+    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
+        raise ConfigError(
+            f"--resume {path}: not a shardscale train checkpoint (no {FORMAT!r} format tag)."
+        )
+    missing = [k for k in ("step", "model", "optim", "scaler", "meta") if k not in ckpt]
+    if missing or not isinstance(ckpt["step"], int) or ckpt["step"] < 1:
+        raise ConfigError(
+            f"--resume {path}: incomplete checkpoint (missing or bad {missing or ['step']})."
+        )
+    return ckpt
+
+
+def check_compatible(
+    ckpt: dict[str, Any], path: str | Path, meta: dict[str, Any], steps: int
+) -> None:
+    """Check that ``ckpt`` fits the model ``meta`` and that steps remain.
+
+    Raises:
+        ConfigError: a differing model setting (named), or ``ckpt["step"] >= steps``.
+    """
+    saved = ckpt["meta"]
+    diff = [k for k in sorted(set(meta) | set(saved)) if meta.get(k) != saved.get(k)]
+    if diff:
+        what = ", ".join(f"{k}: saved {saved.get(k)!r:.40}, now {meta.get(k)!r:.40}" for k in diff)
+        raise ConfigError(f"--resume {path}: the checkpoint is for another model ({what}).")
+    if ckpt["step"] >= steps:
+        raise ConfigError(
+            f"--resume {path}: the checkpoint is at step {ckpt['step']} and --steps is {steps}; "
+            "raise --steps to train further."
+        )
+
+
+def save(
+    path: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: Any,
+    step: int,
+    meta: dict[str, Any],
+    scaler_kind: str,
+) -> None:
+    """Gather full state dicts on rank 0 and write ``path`` atomically. Collective.
+
+    ``scaler_kind`` (e.g. ``"shardscale/fp16"``) tells :func:`restore` whether the saved scaler
+    state fits the scaler of the resumed run.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    # cpu_offload: gathered tensors land on the CPU (rank 0 only). Only for accelerators: with
+    # parameters already on the CPU, FSDP1's offload path segfaults in torch 2.13.
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    options = StateDictOptions(full_state_dict=True, cpu_offload=not on_cpu)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+    scaler_sd = scaler.state_dict()  # collective-free; every rank holds the same state
+    if _rank() != 0:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    ckpt = {
+        "format": FORMAT,
+        "step": step,
+        "model": model_sd,
+        "optim": optim_sd,
+        "scaler": scaler_sd,
+        "scaler_kind": scaler_kind,
+        "meta": meta,
+    }
+    try:
+        torch.save(ckpt, tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def restore(
+    ckpt: dict[str, Any],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: Any,
+    scaler_kind: str,
+) -> tuple[int, bool]:
+    """Load a checkpoint (read by every rank) into the model, optimizer and scaler. Collective.
+
+    The scaler state is loaded only if the checkpoint's ``scaler_kind`` equals ``scaler_kind``
+    (same scaler, same precision); otherwise the scaler starts afresh.
+
+    Returns:
+        The step the checkpoint was taken at, and whether the scaler state was loaded.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=ckpt["model"],
+        optim_state_dict=ckpt["optim"],
+        options=StateDictOptions(full_state_dict=True),
+    )
+    loaded = bool(ckpt["scaler"]) and scaler.is_enabled() and ckpt.get("scaler_kind") == scaler_kind
+    if loaded:
+        scaler.load_state_dict(ckpt["scaler"])
+    return int(ckpt["step"]), loaded
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
