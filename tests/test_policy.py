@@ -531,3 +531,33 @@ def test_bad_state_dict_leaves_scaler_unchanged():
         with pytest.raises((ValueError, TypeError)):
             scaler.load_state_dict(bad)
         assert scaler.state_dict() == before
+
+
+@pytest.mark.parametrize("hysteresis,consecutive", [(1, False), (2, False), (3, True)])
+def test_step_in_place_cpu_fast_path_matches_next_state(hysteresis, consecutive):
+    """The CPU path of step_in_place (reference_step on Python numbers) and the device path
+    (next_state kernels) produce bit-identical states over a scripted overflow sequence."""
+    from shardscale._policy import step_in_place
+
+    cfg = ScalerConfig(
+        growth_factor=1.7,
+        backoff_factor=0.3,
+        growth_interval=2,
+        hysteresis=hysteresis,
+        consecutive_hysteresis=consecutive,
+        min_scale=0.01,
+        max_scale=300.0,
+        max_consecutive_skips=3,
+    )
+    fast = ScaleState.create(torch.device("cpu"), 100.0, 0, hysteresis, (0,) * 6)
+    slow = ScaleState.create(torch.device("cpu"), 100.0, 0, hysteresis, (0,) * 6)
+    for found in [0, 0, 1, 2, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 1, 0]:
+        flag = torch.tensor(float(found))
+        collapsed_fast = step_in_place(fast, flag, cfg)
+        new, collapsed_slow = next_state(slow, flag, cfg)
+        slow.copy_from(new)
+        assert fast.scale.item() == slow.scale.item()
+        assert fast.growth_tracker.item() == slow.growth_tracker.item()
+        assert fast.hysteresis_tracker.item() == slow.hysteresis_tracker.item()
+        assert fast.counters.tolist() == slow.counters.tolist()
+        assert bool(collapsed_fast) == bool(collapsed_slow)

@@ -11,7 +11,9 @@ from collections.abc import Iterable, Mapping
 import torch
 import torch.distributed as dist
 
+from ._config import ScalerConfig
 from ._grads import local_tensor
+from ._policy import round_f32
 
 
 class ScaleCollapseError(RuntimeError):
@@ -162,3 +164,27 @@ def gather_entries(
                 seen[(e.name, e.rank)] = e
         merged = list(seen.values())
     return sorted(merged, key=lambda e: (e.rank, e.name))
+
+
+def collapse_error(
+    config: ScalerConfig, step: int, scale: float, entries: list[OverflowEntry], rank: int
+) -> ScaleCollapseError:
+    """The :class:`ScaleCollapseError` for a collapse at ``step`` (0-based) with ``scale``.
+
+    ``entries`` are this rank's non-finite gradients (from :func:`scan_local`); the message
+    names them, says why the guard fired, and what to look for.
+    """
+    if config.max_consecutive_skips is not None and scale > round_f32(config.min_scale):
+        why = f"{config.max_consecutive_skips}+ consecutive skipped steps"
+    else:
+        why = f"the loss scale sits at min_scale={config.min_scale:g} and gradients still overflow"
+    where = ", ".join(f"{e.name} ({e.n_inf} inf, {e.n_nan} NaN)" for e in entries) or (
+        "no non-finite gradient on this rank (another rank, or gradients already zeroed)"
+    )
+    msg = (
+        f"loss scale collapsed at step {step} (rank {rank}, loss scale {scale:g}): {why}. "
+        f"Non-finite gradients on this rank: {where}. The NaN/inf does not come from the "
+        "scale: look for a NaN loss or input, a bad learning rate, an fp16 overflow in the "
+        "forward pass (compute that op in fp32 or use bf16), or a log/div of zero."
+    )
+    return ScaleCollapseError(msg, step, scale, OverflowReport(step, scale, tuple(entries)))

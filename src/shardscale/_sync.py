@@ -128,3 +128,39 @@ def all_reduce_max(flag: torch.Tensor, groups: list[dist.ProcessGroup]) -> torch
         if buf is not flag:
             flag = buf.to(flag.device, non_blocking=True)
     return flag
+
+
+def rank() -> int:
+    """This process's global rank (0 without an initialized torch.distributed)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def num_params(optimizer: torch.optim.Optimizer) -> int:
+    """The number of parameters of ``optimizer`` (the same on every rank, sharded or not)."""
+    return sum(len(group["params"]) for group in optimizer.param_groups)
+
+
+def check_agreement(
+    agreed: torch.Tensor, counters: torch.Tensor, optimizer: torch.optim.Optimizer
+) -> None:
+    """Raise if the MAX-reduced ``[found_inf, step, -step, n, -n]`` shows ranks at different
+    steps or reducing different optimizers' flags."""
+    _, high, neg_low, n_high, neg_n_low = agreed.tolist()  # CPU tensor: no device sync
+    if n_high != -neg_n_low:
+        raise RuntimeError(
+            f"ShardedGradScaler: the ranks reduce the found-inf flags of different optimizers: "
+            f"this rank (rank {rank()}) checks an optimizer with {num_params(optimizer)} "
+            f"parameters, other ranks one with {int(-neg_n_low)}..{int(n_high)}. Every rank must "
+            "call unscale_/step/clip_grad_norm_ for the optimizers in the same order (safe "
+            "pattern: unscale_(opt_k); step(opt_k) for each k in a fixed order)."
+        )
+    if high != -neg_low:
+        own_step = int(counters[0])  # error path only
+        raise RuntimeError(
+            f"ShardedGradScaler: the ranks are out of step: this rank (rank {rank()}) is at "
+            f"step {own_step} (update() calls) but the ranks of the process group range over "
+            f"steps {int(-neg_low)}..{int(high)} (mod 2**24), so this found-inf all-reduce met "
+            "another iteration's. Every rank must call scale/step/update in the same order for "
+            "the same optimizers and load the same checkpoint (e.g. a rank stepped fewer "
+            "optimizers, skipped update(), or restored another step's scaler state)."
+        )

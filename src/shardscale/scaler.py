@@ -13,6 +13,7 @@ from typing import Any, overload
 import torch
 
 from . import _sync
+from ._checkpoint import parse_state_dict, to_state_dict
 from ._config import (
     ScalerConfig,
     check_backoff_factor,
@@ -21,10 +22,10 @@ from ._config import (
     check_scale,
 )
 from ._grads import bucket_grads, unscale_and_check
-from ._policy import COUNTER_NAMES, ScaleState, _f32, next_state
+from ._policy import COUNTER_NAMES, ScaleState, step_in_place
 from ._report import (
     OverflowReport,
-    ScaleCollapseError,
+    collapse_error,
     gather_entries,
     param_names,
     scan_local,
@@ -327,10 +328,10 @@ class ShardedGradScaler:
                 return local
             step = (self._state.counters[0] % 2**24).to(torch.float32)
             # which optimizer this is, in a form every rank agrees on: its parameter count
-            n = torch.full((), float(_num_params(optimizer) % 2**24), device=home)
+            n = torch.full((), float(_sync.num_params(optimizer) % 2**24), device=home)
             agreed = _sync.all_reduce_max(torch.stack([local, step, -step, n, -n]), groups)
             if agreed.device.type == "cpu":
-                _check_same_step(agreed, self._state.counters, optimizer)
+                _sync.check_agreement(agreed, self._state.counters, optimizer)
             return agreed[0]
         except BaseException:
             st = self._per_optimizer.get(id(optimizer))
@@ -444,8 +445,7 @@ class ShardedGradScaler:
             found_inf=found_inf,
             optimizers=[st.optimizer for st in stepped if st.optimizer is not None],
         )
-        new, collapsed = next_state(self._state, found_inf, self._config)
-        self._state.copy_from(new)
+        collapsed = step_in_place(self._state, found_inf, self._config)
         self._last = last
         self._per_optimizer = {}
         self._last_report = None  # a mid-iteration report may miss optimizers stepped later
@@ -499,27 +499,11 @@ class ShardedGradScaler:
 
     def _collapse(self, last: _LastStep) -> None:
         optimizers = [o for o in (ref() for ref in last.optimizers) if o is not None]
-        entries = scan_local(optimizers, self._names, _rank())
-        report = OverflowReport(last.index, float(last.scale), tuple(entries))
-        cfg = self._config
-        why = (
-            f"{cfg.max_consecutive_skips}+ consecutive skipped steps"
-            if cfg.max_consecutive_skips is not None and float(last.scale) > _f32(cfg.min_scale)
-            else f"the loss scale sits at min_scale={cfg.min_scale:g} and gradients still overflow"
-        )
-        where = ", ".join(f"{e.name} ({e.n_inf} inf, {e.n_nan} NaN)" for e in entries) or (
-            "no non-finite gradient on this rank (another rank, or gradients already zeroed)"
-        )
-        msg = (
-            f"loss scale collapsed at step {last.index} (rank {_rank()}, loss scale "
-            f"{float(last.scale):g}): {why}. "
-            f"Non-finite gradients on this rank: {where}. The NaN/inf does not come from the "
-            "scale: look for a NaN loss or input, a bad learning rate, an fp16 overflow in the "
-            "forward pass (compute that op in fp32 or use bf16), or a log/div of zero."
-        )
-        if cfg.on_collapse == "raise":
-            raise ScaleCollapseError(msg, last.index, float(last.scale), report)
-        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        entries = scan_local(optimizers, self._names, _sync.rank())
+        error = collapse_error(self._config, last.index, float(last.scale), entries, _sync.rank())
+        if self._config.on_collapse == "raise":
+            raise error
+        warnings.warn(str(error), RuntimeWarning, stacklevel=3)
 
     # ------------------------------------------------------------- clipping
     def clip_grad_norm_(
@@ -646,7 +630,7 @@ class ShardedGradScaler:
     def _build_report(
         self, optimizers: list[torch.optim.Optimizer], scale: torch.Tensor, index: int
     ) -> OverflowReport:
-        entries = scan_local(optimizers, self._names, _rank())
+        entries = scan_local(optimizers, self._names, _sync.rank())
         entries = gather_entries(entries, _sync.resolve_groups(self.process_group))
         self._last_report = OverflowReport(index, float(scale), tuple(entries))
         return self._last_report
@@ -716,24 +700,7 @@ class ShardedGradScaler:
         """
         if not self._enabled:
             return {}
-        m = self.metrics()
-        cfg = self._config
-        return {
-            "scale": m["scale"],
-            "growth_factor": cfg.growth_factor,
-            "backoff_factor": cfg.backoff_factor,
-            "growth_interval": cfg.growth_interval,
-            "_growth_tracker": m["growth_tracker"],
-            "min_scale": cfg.min_scale,
-            "max_scale": cfg.max_scale,
-            "hysteresis": cfg.hysteresis,
-            "consecutive_hysteresis": cfg.consecutive_hysteresis,
-            "dynamic": cfg.dynamic,
-            "max_consecutive_skips": cfg.max_consecutive_skips,
-            "on_collapse": cfg.on_collapse,
-            "_hysteresis_tracker": m["hysteresis_tracker"],
-            "_counters": {name: m[name] for name in COUNTER_NAMES},
-        }
+        return to_state_dict(self._config, self.metrics())
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a state from :meth:`state_dict` or from ``torch.amp.GradScaler.state_dict()``.
@@ -749,74 +716,26 @@ class ShardedGradScaler:
         """
         if not self._enabled:
             return
-        if not isinstance(state_dict, Mapping):
-            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}.")
-        if len(state_dict) == 0:
-            raise RuntimeError(
-                "The state dict is empty, possibly because it was saved from a disabled scaler."
-            )
         if self._per_optimizer:
             raise RuntimeError(
                 "load_state_dict() was called in the middle of an iteration (after unscale_/step, "
                 "before update()); load the state at an iteration boundary."
             )
-        missing = [
-            k
-            for k in (
-                "scale",
-                "growth_factor",
-                "backoff_factor",
-                "growth_interval",
-                "_growth_tracker",
-            )
-            if k not in state_dict
-        ]
-        if missing:
-            raise ValueError(
-                f"state_dict is missing the keys {missing}; pass a scaler state_dict()."
-            )
-        fields = {
-            k: state_dict[k]
-            for k in (
-                "growth_factor",
-                "backoff_factor",
-                "growth_interval",
-                "min_scale",
-                "max_scale",
-                "hysteresis",
-                "consecutive_hysteresis",
-                "dynamic",
-                "max_consecutive_skips",
-                "on_collapse",
-            )
-            if k in state_dict
-        }
-        config = dataclasses.replace(self._config, **fields)  # validates every field
-        scale = check_scale(
-            "state_dict['scale']", state_dict["scale"], config.min_scale, config.max_scale
-        )
-        tracker = _nonneg_int("_growth_tracker", state_dict["_growth_tracker"])
-        hyst = _nonneg_int(
-            "_hysteresis_tracker", state_dict.get("_hysteresis_tracker", config.hysteresis)
-        )
-        if hyst > config.hysteresis:
-            raise ValueError(
-                f"state_dict['_hysteresis_tracker']={hyst} exceeds hysteresis="
-                f"{config.hysteresis}; the checkpoint is inconsistent (pass a state_dict())."
-            )
-        raw = state_dict.get("_counters", {})
-        if not isinstance(raw, Mapping) or not set(raw) <= set(COUNTER_NAMES):
-            raise ValueError(
-                f"state_dict['_counters'] must be a dict with keys from {COUNTER_NAMES}."
-            )
-        counters = tuple(_nonneg_int(f"_counters[{n!r}]", raw.get(n, 0)) for n in COUNTER_NAMES)
+        loaded = parse_state_dict(state_dict, self._config)
         # validated: now mutate
-        self._config = config
-        self._init_scale, self._init_growth_tracker = scale, tracker
-        self._init_hysteresis_tracker, self._init_counters = hyst, counters
+        self._config = loaded.config
+        self._init_scale, self._init_growth_tracker = loaded.scale, loaded.growth_tracker
+        self._init_hysteresis_tracker = loaded.hysteresis_tracker
+        self._init_counters = loaded.counters
         if self._state is not None:
             self._state.copy_from(
-                ScaleState.create(self._state.scale.device, scale, tracker, hyst, counters)
+                ScaleState.create(
+                    self._state.scale.device,
+                    loaded.scale,
+                    loaded.growth_tracker,
+                    loaded.hysteresis_tracker,
+                    loaded.counters,
+                )
             )
 
     def __getstate__(self) -> dict[str, Any]:
@@ -858,50 +777,8 @@ class ShardedGradScaler:
         return st
 
 
-def _num_params(optimizer: torch.optim.Optimizer) -> int:
-    return sum(len(group["params"]) for group in optimizer.param_groups)
-
-
-def _check_same_step(
-    agreed: torch.Tensor, counters: torch.Tensor, optimizer: torch.optim.Optimizer
-) -> None:
-    """Raise if the MAX-reduced ``[found_inf, step, -step, n, -n]`` shows ranks at different
-    steps or reducing different optimizers' flags."""
-    _, high, neg_low, n_high, neg_n_low = agreed.tolist()  # CPU tensor: no device sync
-    if n_high != -neg_n_low:
-        raise RuntimeError(
-            f"ShardedGradScaler: the ranks reduce the found-inf flags of different optimizers: "
-            f"this rank (rank {_rank()}) checks an optimizer with {_num_params(optimizer)} "
-            f"parameters, other ranks one with {int(-neg_n_low)}..{int(n_high)}. Every rank must "
-            "call unscale_/step/clip_grad_norm_ for the optimizers in the same order (safe "
-            "pattern: unscale_(opt_k); step(opt_k) for each k in a fixed order)."
-        )
-    if high != -neg_low:
-        own_step = int(counters[0])  # error path only
-        raise RuntimeError(
-            f"ShardedGradScaler: the ranks are out of step: this rank (rank {_rank()}) is at "
-            f"step {own_step} (update() calls) but the ranks of the process group range over "
-            f"steps {int(-neg_low)}..{int(high)} (mod 2**24), so this found-inf all-reduce met "
-            "another iteration's. Every rank must call scale/step/update in the same order for "
-            "the same optimizers and load the same checkpoint (e.g. a rank stepped fewer "
-            "optimizers, skipped update(), or restored another step's scaler state)."
-        )
-
-
 def _report_names(source: torch.nn.Module | Mapping[str, torch.Tensor] | None) -> dict[int, str]:
     return param_names(source)
-
-
-def _nonneg_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"state_dict[{name!r}] must be an int >= 0, got {value!r}.")
-    return value
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _first_tensor(outputs: object) -> torch.Tensor:

@@ -1,0 +1,103 @@
+"""The scaler's ``state_dict``: torch's five keys plus shardscale's, built and validated here."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from ._config import ScalerConfig, check_scale
+from ._policy import COUNTER_NAMES
+
+#: The keys of ``torch.amp.GradScaler.state_dict()``, required in every loaded state.
+TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+#: The config fields a state dict may carry (each optional when loading).
+CONFIG_KEYS = (
+    "growth_factor",
+    "backoff_factor",
+    "growth_interval",
+    "min_scale",
+    "max_scale",
+    "hysteresis",
+    "consecutive_hysteresis",
+    "dynamic",
+    "max_consecutive_skips",
+    "on_collapse",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedState:
+    """A validated state dict: the config and the numeric state to install."""
+
+    config: ScalerConfig
+    scale: float
+    growth_tracker: int
+    hysteresis_tracker: int
+    counters: tuple[int, ...]
+
+
+def to_state_dict(config: ScalerConfig, metrics: Mapping[str, float | int]) -> dict[str, Any]:
+    """The state dict of a scaler with ``config`` whose :meth:`metrics` are ``metrics``."""
+    return {
+        "scale": float(metrics["scale"]),
+        "growth_factor": config.growth_factor,
+        "backoff_factor": config.backoff_factor,
+        "growth_interval": config.growth_interval,
+        "_growth_tracker": int(metrics["growth_tracker"]),
+        "min_scale": config.min_scale,
+        "max_scale": config.max_scale,
+        "hysteresis": config.hysteresis,
+        "consecutive_hysteresis": config.consecutive_hysteresis,
+        "dynamic": config.dynamic,
+        "max_consecutive_skips": config.max_consecutive_skips,
+        "on_collapse": config.on_collapse,
+        "_hysteresis_tracker": int(metrics["hysteresis_tracker"]),
+        "_counters": {name: int(metrics[name]) for name in COUNTER_NAMES},
+    }
+
+
+def parse_state_dict(state_dict: object, current: ScalerConfig) -> LoadedState:
+    """Validate ``state_dict`` (ours or torch's) against ``current``'s defaults; mutate nothing.
+
+    Keys missing from a torch state dict keep ``current``'s settings; the hysteresis tracker is
+    then full and the counters 0.
+
+    Raises:
+        TypeError, ValueError: not a dict, a missing key, or a bad value (named).
+        RuntimeError: an empty dict (saved from a disabled scaler).
+    """
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}.")
+    if len(state_dict) == 0:
+        raise RuntimeError(
+            "The state dict is empty, possibly because it was saved from a disabled scaler."
+        )
+    missing = [k for k in TORCH_KEYS if k not in state_dict]
+    if missing:
+        raise ValueError(f"state_dict is missing the keys {missing}; pass a scaler state_dict().")
+    fields = {k: state_dict[k] for k in CONFIG_KEYS if k in state_dict}
+    config = dataclasses.replace(current, **fields)  # validates every field
+    scale = check_scale(
+        "state_dict['scale']", state_dict["scale"], config.min_scale, config.max_scale
+    )
+    tracker = _nonneg_int("_growth_tracker", state_dict["_growth_tracker"])
+    hyst = _nonneg_int(
+        "_hysteresis_tracker", state_dict.get("_hysteresis_tracker", config.hysteresis)
+    )
+    if hyst > config.hysteresis:
+        raise ValueError(
+            f"state_dict['_hysteresis_tracker']={hyst} exceeds hysteresis="
+            f"{config.hysteresis}; the checkpoint is inconsistent (pass a state_dict())."
+        )
+    raw = state_dict.get("_counters", {})
+    if not isinstance(raw, Mapping) or not set(raw) <= set(COUNTER_NAMES):
+        raise ValueError(f"state_dict['_counters'] must be a dict with keys from {COUNTER_NAMES}.")
+    counters = tuple(_nonneg_int(f"_counters[{n!r}]", raw.get(n, 0)) for n in COUNTER_NAMES)
+    return LoadedState(config, scale, tracker, hyst, counters)
+
+
+def _nonneg_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"state_dict[{name!r}] must be an int >= 0, got {value!r}.")
+    return value
