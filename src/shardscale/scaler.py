@@ -320,9 +320,7 @@ class ShardedGradScaler:
         try:
             home = self._state.scale.device
             flags = unscale_and_check(bucket_grads(optimizer), inv_scale)
-            local = torch.zeros((), dtype=torch.float32, device=home)
-            for flag in flags.values():
-                local = torch.maximum(local, flag.to(home, non_blocking=True))
+            local = _combine_flags(flags, home)
             groups = _sync.resolve_groups(self.process_group)
             if not groups:
                 return local
@@ -779,6 +777,16 @@ class ShardedGradScaler:
 
 def _report_names(source: torch.nn.Module | Mapping[str, torch.Tensor] | None) -> dict[int, str]:
     return param_names(source)
+
+
+def _combine_flags(flags: dict[torch.device, torch.Tensor], home: torch.device) -> torch.Tensor:
+    """MAX of per-device 0-d flags as one 0-d float32 tensor on ``home`` (no host sync)."""
+    if len(flags) == 1 and home in flags:
+        return flags[home]  # the common case: one device, the scale's
+    local = torch.zeros((), dtype=torch.float32, device=home)
+    for flag in flags.values():
+        local = torch.maximum(local, flag.to(home, non_blocking=True))
+    return local
 
 
 def _first_tensor(outputs: object) -> torch.Tensor:
