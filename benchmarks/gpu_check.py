@@ -9,7 +9,9 @@ What it does:
 
 1. Parity on CUDA: shardscale vs ``torch.amp.GradScaler("cuda")`` over a few training steps with
    autocast fp16 (parameters equal), with fp16 parameters (vs a hand-written fp32 reference),
-   with ``AdamW(fused=True)``, and ``clip_grad_norm_`` vs torch's unscale_+clip recipe.
+   with ``AdamW(fused=True)``, ``clip_grad_norm_`` vs torch's unscale_+clip recipe, gradients
+   on CUDA next to CPU-offloaded ones, the policy's device kernels vs ``reference_step``, and
+   the event-polled collapse guard.
 2. Host syncs per iteration measured by CUDA itself (``torch.cuda.set_sync_debug_mode("warn")``):
    expected 0 with a fused optimizer, 1 otherwise (the skip decision), also on the clip path.
 3. The ``shardscale bench`` table on CUDA, plus unscale bandwidth vs a measured device-to-device
@@ -120,6 +122,90 @@ def count_syncs(device: str, fused: bool, clip: bool) -> int:
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
+def parity_mixed_devices(steps: int = 6) -> float:
+    """Gradients on CUDA next to CPU-offloaded ones (one model split across devices): vs
+    torch.amp.GradScaler("cuda") (per-device found_inf); an inf in the CPU half at step 2."""
+    torch.manual_seed(0)
+    gpu, cpu = torch.nn.Linear(32, 32).cuda(), torch.nn.Linear(32, 8)
+    twins = [(gpu, cpu), (copy.deepcopy(gpu), copy.deepcopy(cpu))]
+    opts = [torch.optim.SGD([*g.parameters(), *c.parameters()], lr=0.1) for g, c in twins]
+    scalers = [ShardedGradScaler("cuda", init_scale=256.0), torch.amp.GradScaler("cuda", 256.0)]
+    for i in range(steps):
+        x = torch.randn(4, 32, device="cuda")
+        for (g, c), o, s in zip(twins, opts, scalers, strict=True):
+            o.zero_grad()
+            loss = c(g(x).cpu()).pow(2).mean().cuda()  # the scale lives on CUDA
+            if i == 2:
+                loss = (
+                    loss + (c.bias.sum() * float("inf")).cuda()
+                )  # non-finite grads on the CPU side
+            s.scale(loss).backward()
+            s.step(o)
+            s.update()
+    assert scalers[0].get_scale() == scalers[1].get_scale() == 128.0
+    return max(
+        (p - q.to(p.device)).abs().max().item()
+        for (g0, c0), (g1, c1) in [twins]
+        for p, q in zip(
+            [*g0.parameters(), *c0.parameters()], [*g1.parameters(), *c1.parameters()], strict=True
+        )
+    )
+
+
+def policy_kernels_match_reference(steps: int = 200) -> bool:
+    """next_state on CUDA (device kernels) equals reference_step (Python) bit for bit."""
+    from shardscale import PyScaleState, ScalerConfig, ScaleState, next_state, reference_step
+
+    cfg = ScalerConfig(
+        growth_factor=1.7,
+        backoff_factor=0.3,
+        growth_interval=3,
+        hysteresis=2,
+        min_scale=0.01,
+        max_scale=1e6,
+        max_consecutive_skips=4,
+    )
+    g = torch.Generator().manual_seed(0)
+    state = ScaleState.create(torch.device("cuda"), 1000.0, 0, 2, (0,) * 6)
+    ref = PyScaleState(1000.0, 0, 2, (0,) * 6)
+    for _ in range(steps):
+        found = (
+            int(torch.randint(0, 3, (), generator=g)) if torch.rand((), generator=g) < 0.3 else 0
+        )
+        new, collapsed = next_state(state, torch.tensor(float(found), device="cuda"), cfg)
+        state.copy_from(new)
+        ref, ref_collapsed = reference_step(ref, found, cfg)
+        if (
+            state.scale.item() != ref.scale
+            or state.growth_tracker.item() != ref.growth_tracker
+            or state.hysteresis_tracker.item() != ref.hysteresis_tracker
+            or tuple(state.counters.tolist()) != ref.counters
+            or bool(collapsed) != ref_collapsed
+        ):
+            return False
+    return True
+
+
+def collapse_raises_on_cuda() -> tuple[bool, str]:
+    """The deferred (event-polled) collapse guard raises ScaleCollapseError on CUDA."""
+    from shardscale import ScaleCollapseError
+
+    m = _model("cuda")
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    s = ShardedGradScaler("cuda", init_scale=4.0, max_consecutive_skips=3)
+    x = torch.randn(4, 64, device="cuda")
+    for i in range(12):
+        opt.zero_grad()
+        s.scale(m(x).sum() * float("nan")).backward()
+        s.step(opt)
+        try:
+            s.update()
+        except ScaleCollapseError as e:
+            return e.step == 2, f"raised at update {i} for step {e.step}: {str(e)[:80]}..."
+        torch.cuda.synchronize()
+    return False, "no ScaleCollapseError after 12 NaN steps"
+
+
 def copy_vs_unscale(numel: int, dtype: torch.dtype, rounds: int = 20) -> tuple[float, float]:
     """(unscale GB/s, device-to-device copy GB/s) over the same GPT-2-shaped gradient bytes."""
     gs = bench.GradSet(numel, dtype, torch.device("cuda"))
@@ -169,6 +255,13 @@ def main(argv: list[str] | None = None) -> int:
             check(f"parity autocast fp16 fused={fused} clip={clip}", diff < 1e-5, f"{diff:.2e}")
     diff = parity_fp16_params("cuda")
     check("fp16 params vs fp64 reference", diff < 2e-3, f"max |dp| = {diff:.2e}")
+    diff = parity_mixed_devices()
+    check("CUDA + CPU-offloaded grads vs torch GradScaler", diff < 1e-6, f"max |dp| = {diff:.2e}")
+    check(
+        "next_state CUDA kernels == reference_step", policy_kernels_match_reference(), "200 steps"
+    )
+    ok, detail = collapse_raises_on_cuda()
+    check("collapse guard on CUDA (deferred one step)", ok, detail)
     for fused, clip, expect in (
         (True, False, 0),
         (True, True, 0),
