@@ -3,18 +3,22 @@ PYTHON ?= python3
 # These machines carry a CPU build of torch 2.13.0; an unpinned torch would pull a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
 
-.PHONY: install demo test lint bench
+.PHONY: install-train install-test demo test lint bench
 
-install:
+install-train:
+	$(PYTHON) -m pip install -q "$(TORCH)"
+	$(PYTHON) -m pip install -q -e ".[train]"
+
+install-test:
 	$(PYTHON) -m pip install -q "$(TORCH)"
 	$(PYTHON) -m pip install -q -e ".[test]"
 
-demo: install
+demo: install-train
 	$(PYTHON) -m shardscale train
 
-test: install
+test: install-test
 	$(PYTHON) -m ruff check src tests benchmarks
 	$(PYTHON) -m pytest -q --durations=10
 
-bench: install
+bench: install-train
 	$(PYTHON) -m shardscale bench

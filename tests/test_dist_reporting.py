@@ -228,9 +228,11 @@ def test_report_overflows_logs_the_gathered_report_on_every_rank(results):
 def test_collapse_raises_on_every_rank_at_the_same_step(results):
     c0, c1 = (r["collapse"] for r in results)
     assert c0[:2] == c1[:2] == (1, 2.0**15)
-    assert c0[2] == [] and c1[2] == [("decoder.bias", 1, 1, 0, 2)]  # local entries
-    assert "rank 0" in c0[3] and "no non-finite gradient on this rank" in c0[3]
-    assert "rank 1" in c1[3] and "decoder.bias (1 inf, 0 NaN)" in c1[3]
+    # gathered over the ranks: rank 0's error names rank 1's parameter too
+    assert c0[2] == c1[2] == [("decoder.bias", 1, 1, 0, 2)]
+    assert "(rank 0," in c0[3] and "(rank 1," in c1[3]
+    for msg in (c0[3], c1[3]):
+        assert "decoder.bias on rank 1 (1 inf, 0 NaN)" in msg
 
 
 def test_bf16_without_scaler_diverges_across_ranks(results):

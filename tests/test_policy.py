@@ -265,7 +265,7 @@ def test_collapse_at_min_scale_raises_with_step_scale_names_and_advice():
     assert (err.step, err.scale) == (2, 1.0)  # 4 -> 2 -> 1, and index 2 overflows at 1
     msg = str(err)
     assert "step 2" in msg and "min_scale=1" in msg and "loss scale 1" in msg
-    assert "body.0.bias (1 inf, 0 NaN)" in msg
+    assert "body.0.bias on rank 0 (1 inf, 0 NaN)" in msg
     assert "fp32" in msg and "NaN loss" in msg  # advice
     assert err.report is not None
     assert [(e.name, e.rank, e.n_inf, e.n_nan, e.numel) for e in err.report.entries] == [
@@ -285,7 +285,7 @@ def test_collapse_after_max_consecutive_skips():
     assert info.value.step == 5
     assert info.value.scale == 2.0**12  # 2**16 halved 4 times before step 5's update
     assert "loss scale 4096" in str(info.value)
-    assert "<param 2 of optimizer 0> (0 inf, 1 NaN)" in str(info.value)  # unnamed: index
+    assert "<param 2 of optimizer 0> on rank 0 (0 inf, 1 NaN)" in str(info.value)  # unnamed: index
     assert scaler.metrics()["consecutive_skips"] == 3
 
 

@@ -713,3 +713,36 @@ def test_scale_never_reaches_zero_under_forced_overflows():
     assert collapses == 200 - 142
     assert torch.equal(p.detach(), torch.zeros(2))
     assert ours.metrics()["consecutive_skips"] == 200
+
+
+def test_numpy_and_tensor_hyperparameters_are_accepted_like_torch():
+    """torch.amp.GradScaler takes NumPy scalars and 1-element tensors; so does shardscale, and
+    its state_dict then holds plain Python numbers."""
+    np = pytest.importorskip("numpy")
+    s = ShardedGradScaler(
+        "cpu",
+        init_scale=np.float32(1024),
+        growth_interval=np.int64(10),
+        growth_factor=torch.tensor(4.0),
+    )
+    sd = s.state_dict()
+    assert (sd["scale"], sd["growth_interval"], sd["growth_factor"]) == (1024.0, 10, 4.0)
+    assert type(sd["growth_interval"]) is int and type(sd["growth_factor"]) is float
+
+
+def test_torch_private_accessors_some_libraries_read():
+    s = ShardedGradScaler("cpu", init_scale=8.0)
+    assert s._scale is None and s._growth_tracker is None and s._get_growth_tracker() == 0
+    s.scale(torch.ones(()))
+    assert s._scale.item() == 8.0 and s._scale.dtype == torch.float32
+    assert s._growth_tracker.item() == 0 and s._get_growth_tracker() == 0
+
+
+def test_disabled_scaler_keeps_the_scheduler_pattern_working():
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    s = ShardedGradScaler("cpu", enabled=False)
+    s.scale(p.sum()).backward()
+    s.step(opt)
+    s.update()
+    assert not bool(s.last_step_skipped(opt)) and not bool(s.last_step_skipped())

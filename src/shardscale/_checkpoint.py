@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -98,6 +99,6 @@ def parse_state_dict(state_dict: object, current: ScalerConfig) -> LoadedState:
 
 
 def _nonneg_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
         raise ValueError(f"state_dict[{name!r}] must be an int >= 0, got {value!r}.")
-    return value
+    return int(value)

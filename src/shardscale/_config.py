@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Literal
+
+import torch
 
 #: Smallest scale allowed by default: the smallest normal float32 (2**-126). Reaching it means
 #: ~142 consecutive overflows from the default initial scale, i.e. a collapsed run.
@@ -17,8 +20,11 @@ OnCollapse = Literal["raise", "warn"]
 
 
 def _check_real(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a Python float, got {type(value).__name__} ({value!r}).")
+    # numbers.Real covers Python and NumPy scalars; a 1-element tensor is read once (as torch does)
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point():
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} ({value!r}).")
     value = float(value)
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}.")
@@ -26,8 +32,9 @@ def _check_real(name: str, value: object) -> float:
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be a Python int, got {type(value).__name__} ({value!r}).")
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r}).")
+    value = int(value)
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}.")
     return value
@@ -146,5 +153,9 @@ class ScalerConfig:
         if self.on_collapse not in ("raise", "warn"):
             raise ValueError(f"on_collapse must be 'raise' or 'warn', got {self.on_collapse!r}.")
         # Store normalised floats (ints are accepted for the float fields).
+        # Store plain Python numbers (NumPy scalars and 1-element tensors are accepted).
         for name in ("growth_factor", "backoff_factor", "min_scale", "max_scale"):
-            object.__setattr__(self, name, float(getattr(self, name)))
+            object.__setattr__(self, name, _check_real(name, getattr(self, name)))
+        for name in ("growth_interval", "hysteresis", "max_consecutive_skips"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, int(getattr(self, name)))

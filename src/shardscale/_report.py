@@ -171,19 +171,20 @@ def collapse_error(
 ) -> ScaleCollapseError:
     """The :class:`ScaleCollapseError` for a collapse at ``step`` (0-based) with ``scale``.
 
-    ``entries`` are this rank's non-finite gradients (from :func:`scan_local`); the message
-    names them, says why the guard fired, and what to look for.
+    ``entries`` are the non-finite gradients found (from :func:`scan_local`, gathered over the
+    ranks where every rank detects the collapse at once); the message names them with their
+    ranks, says why the guard fired, and what to look for.
     """
     if config.max_consecutive_skips is not None and scale > round_f32(config.min_scale):
         why = f"{config.max_consecutive_skips}+ consecutive skipped steps"
     else:
         why = f"the loss scale sits at min_scale={config.min_scale:g} and gradients still overflow"
-    where = ", ".join(f"{e.name} ({e.n_inf} inf, {e.n_nan} NaN)" for e in entries) or (
-        "no non-finite gradient on this rank (another rank, or gradients already zeroed)"
-    )
+    where = ", ".join(
+        f"{e.name} on rank {e.rank} ({e.n_inf} inf, {e.n_nan} NaN)" for e in entries
+    ) or ("none found (gradients already zeroed, or on a rank not scanned)")
     msg = (
         f"loss scale collapsed at step {step} (rank {rank}, loss scale {scale:g}): {why}. "
-        f"Non-finite gradients on this rank: {where}. The NaN/inf does not come from the "
+        f"Non-finite gradients: {where}. The NaN/inf does not come from the "
         "scale: look for a NaN loss or input, a bad learning rate, an fp16 overflow in the "
         "forward pass (compute that op in fp32 or use bf16), or a log/div of zero."
     )

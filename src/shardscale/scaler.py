@@ -224,8 +224,9 @@ class ShardedGradScaler:
         """Multiply a loss (or nested lists/tuples of losses) by the current loss scale.
 
         The scale is created on the device of the first tensor ever scaled (a 0-d float32
-        tensor); outputs on other devices get a copy. The result keeps each output's dtype
-        (an fp16 loss stays fp16). A NaN/inf loss is not an error: its step will be skipped.
+        tensor); outputs on other devices get a copy. The result dtype follows torch's type
+        promotion, exactly as ``torch.amp.GradScaler``: an fp16 tensor with dimensions stays
+        fp16, a 0-d fp16 loss becomes fp32. A NaN/inf loss is not an error: its step is skipped.
 
         Args:
             outputs: a floating-point tensor, or a list/tuple (possibly nested) of them.
@@ -473,8 +474,8 @@ class ShardedGradScaler:
     def _handle_collapse(self, collapsed: torch.Tensor, last: _LastStep) -> None:
         """Raise/warn on collapse without a host sync on accelerators (checked one step late)."""
         if collapsed.device.type == "cpu":
-            if bool(collapsed):
-                self._collapse(last)
+            if bool(collapsed):  # every rank sees it at this same update: gather the report
+                self._collapse(last, gather=True)
             return
         ready, waiting = [], []
         for pending in self._pending_collapse:  # no tuple equality: it would compare tensors
@@ -495,9 +496,11 @@ class ShardedGradScaler:
             if bool(flag):
                 self._collapse(step)
 
-    def _collapse(self, last: _LastStep) -> None:
+    def _collapse(self, last: _LastStep, gather: bool = False) -> None:
         optimizers = [o for o in (ref() for ref in last.optimizers) if o is not None]
         entries = scan_local(optimizers, self._names, _sync.rank())
+        if gather:  # collective: only where every rank detects the collapse at the same update
+            entries = gather_entries(entries, _sync.resolve_groups(self.process_group))
         error = collapse_error(self._config, last.index, float(last.scale), entries, _sync.rank())
         if self._config.on_collapse == "raise":
             raise error
@@ -535,6 +538,8 @@ class ShardedGradScaler:
         Raises:
             RuntimeError: no step has been taken yet (for this optimizer).
         """
+        if not self._enabled:
+            return torch.tensor(False)  # a disabled scaler never skips: the loop stays the same
         if optimizer is not None:
             flag = self._skipped.get(id(optimizer))
             if flag is None:
@@ -648,6 +653,25 @@ class ShardedGradScaler:
     def _get_scale_async(self) -> torch.Tensor | None:
         """The scale tensor without a sync (None before the first :meth:`scale`), as torch."""
         return None if self._state is None else self._state.scale
+
+    @property
+    def _scale(self) -> torch.Tensor | None:
+        """The 0-d float32 scale tensor (None before the first :meth:`scale`), under the private
+        name some libraries read from ``torch.amp.GradScaler``. Read-only."""
+        return self._get_scale_async()
+
+    @property
+    def _growth_tracker(self) -> torch.Tensor | None:
+        """The 0-d int32 growth tracker tensor (None before the first :meth:`scale`), as torch's
+        private attribute. Read-only."""
+        return None if self._state is None else self._state.growth_tracker
+
+    def _get_growth_tracker(self) -> int:
+        """The growth tracker as a Python int (0 if disabled), as torch's private method.
+        Synchronises the host."""
+        if not self._enabled:
+            return 0
+        return self._init_growth_tracker if self._state is None else int(self._state.growth_tracker)
 
     def get_growth_factor(self) -> float:
         """The growth factor (a Python float)."""

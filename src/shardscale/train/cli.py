@@ -19,7 +19,7 @@ import uuid
 from pathlib import Path
 
 from .config import ConfigError, TrainConfig, parse, validate
-from .worker import PREFIX
+from .worker import PREFIX, one_line
 
 WORKER_MODULE = "shardscale.train.worker"
 
@@ -151,6 +151,5 @@ def _root_cause(err: object) -> tuple[str, int]:
 
 
 def _error(message: str, code: int) -> int:
-    line = " ".join(message.split())
-    print(PREFIX + line, file=sys.stderr, flush=True)
+    print(PREFIX + one_line(message), file=sys.stderr, flush=True)
     return code

@@ -103,6 +103,15 @@ def _positive_float(text: str) -> float:
     return value
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows ``(default: X)`` except where the default is None (the help text says it)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, but errors raise :class:`ConfigError` (one line) instead of printing usage."""
 
@@ -121,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
             "ShardedGradScaler adapting the loss scale. Writes metrics.jsonl, loss_scale.png, "
             "summary.json and checkpoints/step-N.pt to --out."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     g = p.add_argument_group("processes")
     g.add_argument(
@@ -196,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--clip-grad-norm",
         type=_positive_float,
         default=None,
-        help="clip the global gradient norm to this value",
+        help="clip the global gradient norm to this value (default: off)",
     )
     g.add_argument("--seed", type=int, default=d.seed, help="model init and data order")
     g = p.add_argument_group("model and data")
@@ -317,6 +326,7 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
         if cfg.hidden % 4:
             raise ConfigError(f"--hidden {cfg.hidden} must be a multiple of 4 (4 attention heads).")
         check_text_file(cfg.text, cfg.seq_len)
+    check_scaler_options(cfg)
     if cfg.weight_decay < 0:
         raise ConfigError(f"--weight-decay must be >= 0, got {cfg.weight_decay}.")
     for step in cfg.inject_inf_step:
@@ -327,6 +337,45 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
     if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
         raise ConfigError(f"--out {cfg.out} exists and is not a directory.")
     return cfg
+
+
+_SCALER_OPTIONS = {
+    "init_scale": "--init-scale",
+    "growth_interval": "--growth-interval",
+    "max_consecutive_skips": "--max-consecutive-skips",
+}
+
+
+def check_scaler_options(cfg: TrainConfig) -> None:
+    """Check the loss-scaling options the way the workers' scaler will, before any launch.
+
+    Builds (and drops) a CPU :class:`shardscale.ShardedGradScaler` with ``--init-scale``,
+    ``--growth-interval`` and ``--max-consecutive-skips``: the same checks as in the workers
+    (e.g. the scale must lie in ``[2**-126, 2**127]`` so that it and its inverse are finite in
+    float32). Applies to ``--scaler torch`` too: its float32 scale has the same range.
+
+    Raises:
+        ConfigError: the option and the scaler's reason.
+    """
+    from ..scaler import ShardedGradScaler
+
+    values = {name: getattr(cfg, name) for name in _SCALER_OPTIONS}
+    try:
+        ShardedGradScaler("cpu", **values)
+    except (TypeError, ValueError) as e:
+        reason = str(e)
+        name = next((n for n in _SCALER_OPTIONS if reason.startswith(n)), None)
+        if name is None:
+            raise ConfigError(f"bad loss-scaling option: {reason}") from None
+        value = values[name]
+        if isinstance(value, float):
+            exp = math.frexp(value)[1] - 1
+            shown = f"2**{exp}" if value == 2.0**exp else f"{value:g}"
+        else:
+            shown = str(value)
+        # shardscale train has no --min-scale/--max-scale: only the value can change
+        reason = reason.replace("; change the value or the bounds.", ".")
+        raise ConfigError(f"{_SCALER_OPTIONS[name]} {shown}: {reason}") from None
 
 
 def check_text_file(path: str, seq_len: int) -> str:

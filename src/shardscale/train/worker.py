@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -33,6 +34,12 @@ from .._report import ScaleCollapseError
 from .config import ConfigError, parse, validate
 
 PREFIX = "shardscale train: error: "
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
+
+
+def one_line(text: str) -> str:
+    """``text`` without ANSI escape codes (torch colours some messages), on one line."""
+    return " ".join(_ANSI.sub("", text).split())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as e:
-        text = str(e).strip().splitlines()
+        text = _ANSI.sub("", str(e)).strip().splitlines()
         return _fail(f"rank {rank}: {type(e).__name__}: {text[0] if text else ''}", 1, rank, False)
     finally:
         if dist.is_initialized():
@@ -90,7 +97,7 @@ def _init_process_group(device: torch.device, rank: int, world: int) -> None:
 
 def _fail(message: str, code: int, rank: int, every_rank: bool) -> int:
     """Report ``message`` once (see the module docstring) and return ``code``."""
-    line = " ".join(message.split())  # one line, whatever the exception text held
+    line = one_line(message)  # one line, whatever the exception text held
     if os.environ.get("SHARDSCALE_DEBUG"):
         traceback.print_exc()
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
