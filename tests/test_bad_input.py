@@ -467,11 +467,11 @@ if HAVE_CLIP:
             match,
         )
     case(
-        "clip_grad_norm_-params_list",
+        "clip_grad_norm_-non_tensor_list",
         "scaled",
-        lambda s, m, o: s.clip_grad_norm_(list(m.parameters()), 1.0),
+        lambda s, m, o: s.clip_grad_norm_([1.0, 2.0], 1.0),
         TypeError,
-        "takes the optimizer",
+        "pass tensors",
     )
     case(
         "clip_grad_norm_-non_tensor_param",

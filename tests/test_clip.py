@@ -184,8 +184,10 @@ def test_call_order_and_argument_errors():
     with pytest.raises(RuntimeError, match="before scale"):
         sa.clip_grad_norm_(oa, 1.0)
     _backward(a, sa, _batch())
-    with pytest.raises(TypeError, match="optimizer"):
-        sa.clip_grad_norm_(list(a.parameters()), 1.0)
+    with pytest.raises(TypeError, match="pass tensors"):
+        sa.clip_grad_norm_([1.0, 2.0], 1.0)
+    with pytest.raises(TypeError, match="an iterable of parameters"):
+        sa.clip_grad_norm_("weights", 1.0)
     with pytest.raises(ValueError, match="max_norm"):
         sa.clip_grad_norm_(oa, -1.0)
     with pytest.raises(TypeError, match="max_norm"):
@@ -378,3 +380,94 @@ def _two_groups(rank: int, world_size: int) -> str:
         assert "one process group" in str(e)
         return type(e).__name__
     return "no error"
+
+
+@pytest.mark.parametrize("subset", [False, True])
+@pytest.mark.parametrize("opt,fused", [("sgd", False), ("adamw", False), ("adamw", True)])
+def test_clip_parameter_list_matches_torch_recipe(opt, fused, subset):
+    """clip_grad_norm_(params): all or a subset of the parameters, then step (non-fused and
+    fused): norms, gradients and parameters as torch's unscale_ + clip_grad_norm_(params); an
+    overflow in the clipped set skips the step and backs the scale off."""
+    a, b, oa, ob, sa, sb = _pair(opt=opt, fused=fused)
+    x = _batch()
+    for it in range(3):
+        poison = it == 1
+        _backward(a, sa, x, poison=poison)
+        _backward(b, sb, x, poison=poison)
+        pa = list(a.parameters())[:2] if subset else list(a.parameters())
+        pb = list(b.parameters())[:2] if subset else list(b.parameters())
+        na = sa.clip_grad_norm_(pa, 0.05)
+        sb.unscale_(ob)
+        nb = torch.nn.utils.clip_grad_norm_(pb, 0.05)
+        if poison:
+            assert not math.isfinite(float(na)) and not math.isfinite(float(nb))
+        else:
+            torch.testing.assert_close(na, nb, rtol=1e-6, atol=0)
+        sa.step(oa)
+        sb.step(ob)
+        if not poison:  # after an overflow torch multiplies by 0 (NaN); the step is skipped
+            for qa, qb in zip(a.parameters(), b.parameters(), strict=True):
+                torch.testing.assert_close(qa.grad, qb.grad, rtol=1e-6, atol=1e-9, equal_nan=True)
+        sa.update()
+        sb.update()
+        assert bool(sa.last_step_skipped(oa)) is poison
+        assert sa.get_scale() == sb.get_scale() == (512.0 if it >= 1 else 1024.0)
+        oa.zero_grad()
+        ob.zero_grad()
+        for qa, qb in zip(a.parameters(), b.parameters(), strict=True):
+            torch.testing.assert_close(qa, qb, rtol=1e-6, atol=1e-7)
+
+
+def test_clip_parameter_list_order_errors():
+    a, _, oa, _, sa, _ = _pair()
+    x = _batch()
+    with pytest.raises(RuntimeError, match="before scale"):
+        sa.clip_grad_norm_(a.parameters(), 1.0)
+    _backward(a, sa, x)
+    params = list(a.parameters())
+    sa.clip_grad_norm_(params[:2], 1.0)
+    with pytest.raises(RuntimeError, match="already called on some of these parameters"):
+        sa.clip_grad_norm_(params[1:3], 1.0)
+    with pytest.raises(RuntimeError, match="iteration boundary"):
+        sa.load_state_dict(sa.state_dict())
+    sa.step(oa)
+    sa.update()
+    oa.zero_grad()
+    _backward(a, sa, x)
+    sa.unscale_(oa)
+    with pytest.raises(RuntimeError, match="after unscale_"):
+        sa.clip_grad_norm_(params, 1.0)
+
+
+def _params_clip_ranks(rank: int, world_size: int) -> dict:
+    torch.manual_seed(0)
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    s = ShardedGradScaler("cpu", init_scale=1024.0)
+    out = {"skipped": [], "scale": []}
+    for it in range(3):
+        x = torch.randn(8, 8, generator=torch.Generator().manual_seed(10 * it + rank))
+        loss = m(x).pow(2).mean()
+        s.scale(loss).backward()
+        for p in m.parameters():  # replicated gradients, as DDP would leave them
+            torch.distributed.all_reduce(p.grad)
+            p.grad /= world_size
+        if it == 1 and rank == 1:
+            list(m.parameters())[0].grad.view(-1)[0] = float("nan")
+        s.clip_grad_norm_(list(m.parameters())[:2], 0.1)
+        s.step(opt)
+        s.update()
+        opt.zero_grad()
+        out["skipped"].append(bool(s.last_step_skipped(opt)))
+        out["scale"].append(s.get_scale())
+    out["params"] = [p.detach().clone() for p in m.parameters()]
+    return out
+
+
+@pytest.mark.dist
+def test_clip_parameter_list_two_ranks_agree(tmp_path):
+    r0, r1 = run_ranks(_params_clip_ranks, tmp_path)
+    assert r0["skipped"] == r1["skipped"] == [False, True, False]
+    assert r0["scale"] == r1["scale"] == [1024.0, 512.0, 512.0]
+    for p, q in zip(r0["params"], r1["params"], strict=True):
+        assert torch.equal(p, q)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -84,11 +85,12 @@ def clip_grad_norm_(
 
     Args:
         scaler: the :class:`~shardscale.ShardedGradScaler` (this is its method's body).
-        optimizer_or_params: the optimizer whose gradients to clip. A plain iterable of
-            parameters is refused (TypeError): the scaler records the overflow flag per
-            optimizer, and unscaling parameters behind the optimizer's back would make
-            ``step`` unscale them a second time. To clip a subset of parameters, call
-            ``scaler.unscale_(optimizer)`` and then ``torch.nn.utils.clip_grad_norm_(subset)``.
+        optimizer_or_params: the optimizer whose gradients to clip (one collective in the
+            iteration, fused optimizers folded), or a tensor / an iterable of parameters (a
+            subset or all of a model's, as ``torch.nn.utils.clip_grad_norm_`` takes): those
+            gradients are unscaled and clipped in place and remembered as unscaled, so the
+            owning optimizer's ``step`` does not unscale them again and still skips on every
+            rank after an overflow (it issues its own all-reduce: two in the iteration).
         max_norm: the largest allowed total norm (a finite or infinite number >= 0).
         norm_type: ``p`` of the p-norm, any number > 0, or ``inf`` / ``"inf"``.
 
@@ -98,8 +100,8 @@ def clip_grad_norm_(
         returns.
 
     Raises:
-        TypeError: not an optimizer, a non-floating-point gradient, or a bad ``max_norm`` /
-            ``norm_type`` type.
+        TypeError: neither an optimizer nor tensors, a non-floating-point gradient, or a bad
+            ``max_norm`` / ``norm_type`` type.
         ValueError: ``max_norm`` < 0 or NaN, ``norm_type`` <= 0, or a DTensor gradient with a
             ``Partial`` placement (not yet reduced).
         RuntimeError: called before ``scale()``, after ``unscale_``/``clip_grad_norm_`` or
@@ -115,13 +117,8 @@ def clip_grad_norm_(
     if not isinstance(scaler, ShardedGradScaler):
         raise TypeError(f"scaler must be a ShardedGradScaler, got {type(scaler).__name__}.")
     optimizer = optimizer_or_params
-    if not (hasattr(optimizer, "param_groups") and callable(getattr(optimizer, "step", None))):
-        raise TypeError(
-            "clip_grad_norm_() takes the optimizer whose gradients to clip (the overflow flag is "
-            f"recorded per optimizer for step()), got {type(optimizer).__name__}. To clip a "
-            "subset of parameters, call scaler.unscale_(optimizer) and then "
-            "torch.nn.utils.clip_grad_norm_(params, max_norm)."
-        )
+    is_optimizer = hasattr(optimizer, "param_groups") and callable(getattr(optimizer, "step", None))
+    params = None if is_optimizer else _param_list(optimizer_or_params)
     max_norm_f = _check_max_norm(max_norm)
     p = _check_norm_type(norm_type)
     groups = _sync.resolve_groups(scaler.process_group)
@@ -133,8 +130,10 @@ def clip_grad_norm_(
         )
     group = groups[0] if groups else None
 
+    if params is not None:
+        return _clip_params(scaler, params, max_norm_f, p, group)
     if not scaler.is_enabled():
-        buckets = _bucket(optimizer)
+        buckets = _bucket(iter_params(optimizer))
         home = _first_device(buckets)
         total, _ = _global_norm(buckets, p, None, home, group)
         coef = _clip_coef(total, max_norm_f)
@@ -142,7 +141,7 @@ def clip_grad_norm_(
             _mul_all(buckets, coef)
         return total
 
-    buckets = _bucket(optimizer)  # validates the gradients before any state changes
+    buckets = _bucket(iter_params(optimizer))  # validates the gradients before any change
     st = scaler._require_stage("clip_grad_norm_", optimizer)
     if st.stage is OptState.UNSCALED:
         raise RuntimeError(
@@ -228,10 +227,80 @@ def _is_sharded(param: torch.Tensor, grad: torch.Tensor) -> bool:
     return bool(getattr(param, "_fsdp_flattened", False))
 
 
-def _bucket(optimizer: torch.optim.Optimizer) -> _Buckets:
+def _param_list(params: object) -> list[torch.Tensor]:
+    """A tensor or an iterable of tensors as a list (as torch.nn.utils.clip_grad_norm_ takes)."""
+    if isinstance(params, torch.Tensor):
+        return [params]
+    if isinstance(params, (str, bytes)) or not isinstance(params, Iterable):
+        raise TypeError(
+            "clip_grad_norm_() takes an optimizer, a tensor or an iterable of parameters, got "
+            f"{type(params).__name__}."
+        )
+    out = list(params)
+    for q in out:
+        if not isinstance(q, torch.Tensor):
+            raise TypeError(
+                f"clip_grad_norm_() got a {type(q).__name__} among the parameters; pass tensors "
+                "(e.g. model.parameters())."
+            )
+    return out
+
+
+def _clip_params(
+    scaler: Any, params: list[torch.Tensor], max_norm: float, p: float, group: Any
+) -> torch.Tensor:
+    """``clip_grad_norm_`` over a list of parameters instead of an optimizer.
+
+    The gradients are unscaled and clipped in place (one read pass, one all-reduce, one write
+    pass) and remembered as unscaled, with the agreed found-inf flag: the owning optimizer's
+    ``step`` then leaves them alone (a fused optimizer gets its other gradients unscaled in place
+    and ``grad_scale=None``) and skips on every rank if any gradient overflowed. That ``step``
+    issues its own all-reduce for the remaining gradients: two collectives in the iteration
+    (one when clipping through the optimizer).
+    """
+    from .scaler import OptState
+
+    buckets = _bucket(params)  # validates the gradients before any state changes
+    if not scaler.is_enabled():
+        total, _ = _global_norm(buckets, p, None, _first_device(buckets), group)
+        with torch.no_grad():
+            _mul_all(buckets, _clip_coef(total, max_norm))
+        return total
+    if scaler._state is None:
+        raise RuntimeError(
+            "clip_grad_norm_() was called before scale(); the order is scaler.scale(loss)"
+            ".backward() -> scaler.clip_grad_norm_(params, max_norm) -> scaler.step(opt) -> "
+            "scaler.update()."
+        )
+    ids = {id(q) for q in params}
+    if ids & scaler._pre_unscaled.keys():
+        raise RuntimeError(
+            "clip_grad_norm_() was already called on some of these parameters in this iteration "
+            "(their gradients are unscaled); clip each parameter once per iteration."
+        )
+    for st in scaler._per_optimizer.values():
+        opt = st.optimizer() if st.optimizer is not None else None
+        if st.stage is not OptState.READY and opt is not None:
+            if any(id(q) in ids for q in iter_params(opt)):
+                raise RuntimeError(
+                    "clip_grad_norm_(params) was called after unscale_()/step() of an optimizer "
+                    "that owns these parameters; clip before: scaler.scale(loss).backward() -> "
+                    "scaler.clip_grad_norm_(params, max_norm) -> scaler.step(opt)."
+                )
+    inv_scale = scaler._inv_scale()
+    total, found_inf = _global_norm(buckets, p, inv_scale, scaler._state.scale.device, group)
+    coef = _clip_coef(total, max_norm)
+    with torch.no_grad():
+        _mul_all(buckets, torch.where(found_inf > 0, inv_scale, coef * inv_scale))
+    for q in params:
+        scaler._pre_unscaled[id(q)] = found_inf
+    return total
+
+
+def _bucket(params: Iterable[torch.Tensor]) -> _Buckets:
     """Local dense gradient tensors grouped by (device, dtype, sharded)."""
     buckets: _Buckets = {}
-    for param in iter_params(optimizer):
+    for param in params:
         if not isinstance(param, torch.Tensor):
             raise TypeError(
                 f"optimizer params must be tensors, got {type(param).__name__}; "

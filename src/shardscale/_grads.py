@@ -6,7 +6,7 @@ Everything here is local to one rank: no collective, no host synchronisation.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 
 import torch
 
@@ -54,8 +54,11 @@ def _grad_values(param: torch.Tensor) -> torch.Tensor | None:
     return grad
 
 
-def bucket_grads(optimizer: torch.optim.Optimizer) -> Buckets:
+def bucket_grads(optimizer: torch.optim.Optimizer, skip: Container[int] = ()) -> Buckets:
     """Group the local gradient tensors of ``optimizer`` by device and dtype.
+
+    Parameters whose ``id`` is in ``skip`` (already unscaled this iteration by
+    ``clip_grad_norm_(params)``) are left out.
 
     Returns:
         ``{device: {dtype: [tensor, ...]}}`` of dense tensors (local DTensor shards, values of
@@ -72,6 +75,8 @@ def bucket_grads(optimizer: torch.optim.Optimizer) -> Buckets:
                 f"optimizer params must be tensors, got {type(param).__name__}; "
                 "build the optimizer from module.parameters()."
             )
+        if id(param) in skip:
+            continue
         values = _grad_values(param)
         if values is None:
             continue

@@ -21,7 +21,7 @@ from ._config import (
     check_growth_interval,
     check_scale,
 )
-from ._grads import bucket_grads, unscale_and_check
+from ._grads import bucket_grads, iter_params, unscale_and_check
 from ._policy import COUNTER_NAMES, ScaleState, step_in_place
 from ._report import (
     OverflowReport,
@@ -192,6 +192,8 @@ class ShardedGradScaler:
         self._init_counters: tuple[int, ...] = (0,) * len(COUNTER_NAMES)
         self._state: ScaleState | None = None
         self._per_optimizer: dict[int, _PerOptimizer] = {}
+        #: id(param) -> agreed found_inf, for gradients unscaled by clip_grad_norm_(params)
+        self._pre_unscaled: dict[int, torch.Tensor] = {}
         self._skipped: dict[int, torch.Tensor] = {}
         self._last: _LastStep | None = None
         self._last_report: OverflowReport | None = None
@@ -320,8 +322,12 @@ class ShardedGradScaler:
         assert self._state is not None
         try:
             home = self._state.scale.device
-            flags = unscale_and_check(bucket_grads(optimizer), inv_scale)
+            pre = self._pre_unscaled
+            flags = unscale_and_check(bucket_grads(optimizer, skip=pre), inv_scale)
             local = _combine_flags(flags, home)
+            if pre:  # gradients a clip_grad_norm_(params) already unscaled: their agreed flags
+                for flag in (pre[id(p)] for p in iter_params(optimizer) if id(p) in pre):
+                    local = torch.maximum(local, flag)
             groups = _sync.resolve_groups(self.process_group)
             if not groups:
                 return local
@@ -370,7 +376,11 @@ class ShardedGradScaler:
             )
         assert self._state is not None
         retval = None
-        if getattr(optimizer, "_step_supports_amp_scaling", False):
+        fused = getattr(optimizer, "_step_supports_amp_scaling", False)
+        if fused and st.stage is OptState.READY and self._pre_unscaled:
+            if any(id(p) in self._pre_unscaled for p in iter_params(optimizer)):
+                self.unscale_(optimizer)  # part is unscaled already: unscale the rest in place
+        if fused:
             if st.stage is OptState.READY:
                 st.found_inf = self._check(optimizer, None)  # check only: the kernel unscales
                 user_scale = getattr(optimizer, "grad_scale", None)
@@ -427,6 +437,7 @@ class ShardedGradScaler:
             value = self._check_new_scale(new_scale)
             self._state.scale.fill_(value)
             self._per_optimizer = {}
+            self._pre_unscaled = {}
             return
         stepped = [st for st in self._per_optimizer.values() if st.found_inf is not None]
         if not stepped:
@@ -447,6 +458,7 @@ class ShardedGradScaler:
         collapsed = step_in_place(self._state, found_inf, self._config)
         self._last = last
         self._per_optimizer = {}
+        self._pre_unscaled = {}
         self._last_report = None  # a mid-iteration report may miss optimizers stepped later
         if self._report_overflows and bool(found_inf > 0):  # one report for all optimizers
             live = [o for o in (ref() for ref in last.optimizers) if o is not None]
@@ -738,7 +750,7 @@ class ShardedGradScaler:
         """
         if not self._enabled:
             return
-        if self._per_optimizer:
+        if self._per_optimizer or self._pre_unscaled:
             raise RuntimeError(
                 "load_state_dict() was called in the middle of an iteration (after unscale_/step, "
                 "before update()); load the state at an iteration boundary."
@@ -761,7 +773,7 @@ class ShardedGradScaler:
             )
 
     def __getstate__(self) -> dict[str, Any]:
-        if self._per_optimizer:
+        if self._per_optimizer or self._pre_unscaled:
             raise RuntimeError(
                 "A ShardedGradScaler may only be pickled at an iteration boundary (before scale() "
                 "or after update())."
@@ -776,6 +788,7 @@ class ShardedGradScaler:
         for key in ("_state", "_last", "_last_report"):
             state[key] = None
         state["_per_optimizer"], state["_skipped"], state["_pending_collapse"] = {}, {}, []
+        state["_pre_unscaled"] = {}
         if not isinstance(state.get("process_group"), (type(None),)):
             state["process_group"] = None  # process groups cannot be pickled
         return state
