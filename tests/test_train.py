@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardscale.train import cli, config, data, loop
+from shardscale import ShardedGradScaler
+from shardscale.train import checkpoint, cli, config, data, loop, model, report
 
 ENTRY = [
     shutil.which("shardscale") or sys.executable,
@@ -98,6 +99,15 @@ def test_checkpoint_holds_full_state_and_exact_scaler(main_run: Path) -> None:
     # after step 6: scale 1024 (backed off at 4), two clean steps since (5, 6)
     assert ck["scaler"]["scale"] == 1024.0 and ck["scaler"]["_growth_tracker"] == 2
     assert ck["scaler"]["_counters"]["skipped_steps"] == 1
+    assert ck["scaler_kind"] == "shardscale/fp16"
+    assert ck["run"] == {
+        "steps": STEPS,
+        "lr": 2e-3,
+        "weight_decay": 0.01,
+        "batch_size": 32,
+        "seed": 0,
+        "clip_grad_norm": None,
+    }
 
 
 @pytest.mark.dist
@@ -116,6 +126,13 @@ def test_resume_continues_with_saved_scale_and_tracker(main_run: Path, tmp_path:
     summary = json.loads((out / "summary.json").read_text())
     assert summary["start_step"] == 6 and summary["scaler_state_restored"] is True
     assert summary["final_scale"] == FINAL_SCALE
+    assert summary["run_changes"] == [] and "warning" not in proc.stderr
+    # the new --out holds steps 7-12 only (1 skip); the counts are the scaler's, whole run
+    assert sum(r["skipped"] for r in resumed) == 1
+    assert (summary["skipped_steps"], summary["backoffs"], summary["growths"]) == (2, 2, 3)
+    assert summary["skip_counts_steps"] == [1, STEPS]
+    assert "skipped steps  2  (backoffs 2, growths 3; steps 1-12)" in proc.stdout
+    assert "scaler state   restored\n" in proc.stdout
 
 
 def test_none_text_smoke(tmp_path: Path) -> None:
@@ -146,12 +163,14 @@ def test_none_text_smoke(tmp_path: Path) -> None:
     assert summary["task"] == "text" and summary["world_size"] == 1
     assert summary["perplexity"] == pytest.approx(2.718281828 ** summary["test_loss"], rel=1e-6)
     assert len(_rows(out)) == 3 and "perplexity" in proc.stdout
+    assert "char transformer on poem.txt, single process, cpu, fp16" in proc.stdout
 
 
 @pytest.mark.dist
 def test_ddp_collapse_is_one_line_exit_2(tmp_path: Path) -> None:
     """DDP smoke and the collapse path: overflows on rank 1 only, both ranks skip, the run stops
-    after 2 skipped steps in a row with one line from the launcher and exit code 2."""
+    after 2 skipped steps in a row with one line from the launcher and exit code 2; the line
+    names the step as metrics.jsonl and --inject-inf-step do (4, not the scaler's index 3)."""
     out = tmp_path / "collapse"
     proc = _train(
         "--parallel",
@@ -175,6 +194,8 @@ def test_ddp_collapse_is_one_line_exit_2(tmp_path: Path) -> None:
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("shardscale train: error: loss scale collapsed")
+    assert "at training step 4" in lines[0] and "step 3" not in lines[0]
+    assert "fc1.weight" in lines[0]  # the parameter holding the inf
     rows = _rows(out)  # the metrics up to the collapse and the plot are still written
     assert [r["skipped"] for r in rows] == [False, False, True, True]
     assert [r["ranks_skipped"] for r in rows] == [0, 0, 2, 2]
@@ -196,6 +217,22 @@ def _bad_checkpoint(tmp_path: Path) -> str:
     return str(path)
 
 
+class _NotWeights:
+    pass
+
+
+def _pickled_object_checkpoint(tmp_path: Path) -> str:
+    path = tmp_path / "step-000004.pt"  # torch's refusal text holds ANSI escape codes
+    torch.save({"format": "shardscale.train/1", "obj": _NotWeights()}, path)
+    return str(path)
+
+
+UNREADABLE = (
+    "not a readable shardscale checkpoint (corrupt, truncated, or not written by "
+    "`shardscale train`)."
+)
+
+
 @pytest.mark.parametrize(
     "args, needle",
     [
@@ -203,13 +240,16 @@ def _bad_checkpoint(tmp_path: Path) -> str:
         (["--parallel", "fsdp3"], "invalid choice: 'fsdp3'"),
         (["--precision", "fp8"], "invalid choice: 'fp8'"),
         (["--init-scale", "inf"], "--init-scale: must be a finite number > 0"),
+        (["--init-scale", "2**200"], "--init-scale 2**200: init_scale=1.6069380442589903e+60 lies"),
+        (["--init-scale", "1e-40"], "--init-scale 1e-40: init_scale=1e-40 lies outside"),
         (["--frobnicate"], "unrecognized arguments: --frobnicate"),
         (["--text", "/no/such/file.txt"], "--text /no/such/file.txt: no such file"),
         (["--parallel", "none", "--nproc", "2"], "--parallel none trains one process"),
         (["--batch-size", "33"], "--batch-size 33 does not split evenly over 2 ranks"),
         (["--inject-inf-step", "99", "--steps", "5"], "--inject-inf-step 99 is beyond --steps 5"),
         (["--resume", "/no/such/run"], "--resume /no/such/run: no such file or directory"),
-        ("BAD_CKPT", "not a readable checkpoint"),
+        ("BAD_CKPT", UNREADABLE),
+        ("OBJECT_CKPT", UNREADABLE),
         ("EMPTY_RUN", "no checkpoints/step-N.pt"),
     ],
 )
@@ -218,11 +258,14 @@ def test_bad_input_exit_2_one_line(
 ) -> None:
     if args == "BAD_CKPT":
         args = ["--resume", _bad_checkpoint(tmp_path)]
+    elif args == "OBJECT_CKPT":
+        args = ["--resume", _pickled_object_checkpoint(tmp_path)]
     elif args == "EMPTY_RUN":
         args = ["--resume", str(tmp_path)]
     assert cli.main([*args, "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("shardscale train: error: ") and needle in err[0]
+    assert "\x1b" not in err[0]
     assert not (tmp_path / "out").exists()  # nothing written, nothing launched
 
 
@@ -243,6 +286,78 @@ def test_incompatible_checkpoint_is_refused(
     assert "another model (hidden: saved 256, now 128)" in capsys.readouterr().err
     assert cli.main(["--resume", ckpt, "--steps", "6"]) == 2
     assert "raise --steps" in capsys.readouterr().err
+
+
+def test_bad_scaler_state_is_refused_in_parent(
+    main_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ck = torch.load(main_run / "checkpoints" / "step-000006.pt", weights_only=True)
+    ck["scaler"]["scale"] = -1.0
+    torch.save(ck, tmp_path / "step-000006.pt")
+    assert cli.main(["--resume", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (
+        len(err) == 1
+        and "its scaler state does not load (state_dict['scale'] must be > 0, got -1.0)." in err[0]
+    )
+    assert not (tmp_path / "o").exists()
+
+
+def test_scaler_plan_across_scalers_and_precisions(main_run: Path) -> None:
+    ck = torch.load(main_run / "checkpoints" / "step-000006.pt", weights_only=True)
+    plan = checkpoint.scaler_plan
+    assert plan(ck, "shardscale/fp16") == (True, "")
+    assert plan(ck, "torch/fp16") == (True, "from --scaler shardscale")
+    assert plan(ck, "shardscale/bf16") == (False, "checkpoint used --precision fp16")
+    assert plan(ck, "torch/fp32") == (False, "checkpoint used --precision fp16")
+    guard = {**ck, "scaler_kind": "shardscale/bf16", "scaler": {"scale": 1.0}}
+    assert plan(guard, "shardscale/fp32") == (True, "")
+    assert plan(guard, "torch/bf16") == (False, "--scaler torch is disabled with --precision bf16")
+    assert plan(guard, "shardscale/fp16") == (False, "checkpoint used --precision bf16")
+    off = {**ck, "scaler_kind": "torch/bf16", "scaler": {}}
+    assert plan(off, "shardscale/bf16")[0] is False and "was disabled" in plan(off, "x/bf16")[1]
+    # the states really load both ways: shardscale's into torch's, torch's into shardscale's
+    torch_scaler = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=3)
+    torch_scaler.load_state_dict(ck["scaler"])
+    assert torch_scaler._init_scale == 1024.0 and torch_scaler._init_growth_tracker == 2
+    ours = ShardedGradScaler("cpu", init_scale=8.0, growth_interval=3)
+    ours.load_state_dict(torch_scaler.state_dict())
+    m = ours.metrics()
+    assert (m["scale"], m["growth_tracker"], m["skipped_steps"]) == (1024.0, 2, 0)
+
+
+def test_run_changes_and_summary_table(main_run: Path) -> None:
+    ck = torch.load(main_run / "checkpoints" / "step-000006.pt", weights_only=True)
+    same = config.validate(config.parse([*MAIN, "--out", "unused"]))
+    assert checkpoint.run_changes(ck, same) == []
+    other = config.validate(config.parse([*MAIN, "--steps", "40", "--lr", "1e-3", "--out", "x"]))
+    assert checkpoint.run_changes(ck, other) == [
+        "--steps 40 (checkpoint's run: 12)",
+        "--lr 0.001 (checkpoint's run: 0.002)",
+    ]
+    summary = json.loads((main_run / "summary.json").read_text())
+    assert summary["skip_counts_steps"] == [1, STEPS] and summary["resumed_from"] is None
+    summary.update(
+        start_step=6,
+        scaler_state_restored=False,
+        scaler_state_note="checkpoint used --precision fp16",
+        run_changes=["--steps 40 (checkpoint's run: 12)"],
+        skip_counts_steps=[7, 40],
+    )
+    text = report.table(summary)
+    assert "  scaler state   not restored: checkpoint used --precision fp16\n" in text
+    assert "  not bit-exact  --steps 40 (checkpoint's run: 12)" in text
+    assert "this run segment: steps 7-40)" in text
+    assert text.rstrip().endswith("summary.json, checkpoints/step-000012.pt)")
+
+
+def test_help_has_no_duplicate_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(default: None)" not in out and "(default: [])" not in out
+    assert "no progress bar --inject-inf-step" in out  # not "(default: True)"
+    assert "local worker processes (default 2; 1 with --parallel none) --device" in out
+    assert "(default: 400)" in out  # other defaults still shown
 
 
 def test_batches_split_the_global_batch_and_are_step_deterministic() -> None:
@@ -270,3 +385,68 @@ def test_lr_schedule_warmup_and_cosine() -> None:
     assert loop.lr_at(cfg, 1) == pytest.approx(2e-4)  # warm-up over 5 steps
     assert loop.lr_at(cfg, 5) == pytest.approx(1e-3)
     assert loop.lr_at(cfg, 100) == pytest.approx(1e-4)  # cosine down to 10%
+
+
+def test_restore_into_torch_scaler_in_process(main_run: Path) -> None:
+    """checkpoint.restore without a launch (plain module): shardscale's state goes into
+    torch.amp.GradScaler; a bf16 guard does not take the fp16 state and says why."""
+    cfg = config.validate(config.parse(["--parallel", "none", "--out", "unused"]))
+    ck = checkpoint.read(main_run / "checkpoints" / "step-000006.pt")
+    net = model.build(cfg, data.load(cfg))
+    opt = torch.optim.AdamW(net.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=3)
+    assert checkpoint.restore(ck, net, opt, scaler, "torch/fp16") == (
+        6,
+        True,
+        "from --scaler shardscale",
+    )
+    assert scaler.get_scale() == 1024.0 and scaler._init_growth_tracker == 2
+    assert torch.equal(net.fc1.weight, ck["model"]["fc1.weight"])
+    assert opt.state_dict()["state"][0]["step"] == 5  # 6 steps, the 4th skipped
+    guard = ShardedGradScaler.guard()
+    assert checkpoint.restore(ck, net, opt, guard, "shardscale/bf16") == (
+        6,
+        False,
+        "checkpoint used --precision fp16",
+    )
+    assert guard.metrics()["steps"] == 0 and guard.get_scale() == 1.0
+
+
+def test_skip_counts_of_torch_scaler_label_the_segment(tmp_path: Path) -> None:
+    cfg = config.validate(config.parse(["--steps", "10", "--out", str(tmp_path)]))
+    scaler = torch.amp.GradScaler("cpu")
+    scales = [8.0, 4.0, 4.0, 8.0]  # steps 7-10: backoff after 7 (skipped), growth after 9
+    writer = report.MetricsWriter(tmp_path)
+    rows = [
+        {"step": 7 + i, "loss": 1.0, "scale": sc, "skipped": i == 0, "ranks_skipped": 0}
+        for i, sc in enumerate(scales)
+    ]
+    writer.write(rows)
+    counts = loop._skip_counts(cfg, scaler, 6, 16.0)  # final scale 16: grew after step 10
+    assert counts == {
+        "skipped_steps": 1,
+        "backoffs": 1,
+        "growths": 2,
+        "skip_counts_steps": [7, 10],
+        "skip_counts_from": "metrics.jsonl",
+    }
+    earlier = [{**rows[0], "step": k, "skipped": k == 2, "scale": 8.0} for k in range(1, 7)]
+    report.MetricsWriter(tmp_path).write(earlier + rows)  # the whole run: steps 1-10
+    counts = loop._skip_counts(cfg, scaler, 6, 16.0)
+    assert counts["skipped_steps"] == 2 and counts["skip_counts_steps"] == [1, 10]
+
+
+def test_resume_with_other_steps_warns_in_one_line(
+    main_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = str(main_run / "checkpoints" / "step-000006.pt")
+    cfg = config.parse([*MAIN, "--steps", "20", "--resume", ckpt, "--out", str(tmp_path)])
+    extra = cli._prepare(cfg)  # what cli.main does before launching
+    assert extra[-4:] == ["--resume", ckpt, "--out", str(tmp_path)]
+    assert capsys.readouterr().err.splitlines() == [
+        f"shardscale train: warning: --resume {ckpt}: --steps 20 (checkpoint's run: 12): this "
+        "is not the checkpoint's run continued (the LR warm-up and cosine span --steps); it "
+        "will not match an uninterrupted run bit for bit."
+    ]
+    cli._prepare(config.parse([*MAIN, "--resume", ckpt, "--out", str(tmp_path)]))
+    assert capsys.readouterr().err == ""  # same settings: the same run, continued

@@ -4,14 +4,21 @@ A checkpoint is one ``torch.save`` file, ``<out>/checkpoints/step-NNNNNN.pt``, h
 
     {"format": "shardscale.train/1", "step": int, "model": {fqn: tensor},
      "optim": {"state": ..., "param_groups": ...}, "scaler": scaler.state_dict(),
-     "meta": {"task", "hidden", "classes", ...}}
+     "scaler_kind": "shardscale/fp16", "meta": {"task", "hidden", "classes", ...},
+     "run": {"steps", "lr", "weight_decay", "batch_size", "seed", "clip_grad_norm"}}
 
 Model and optimizer states come from ``torch.distributed.checkpoint.state_dict.get_state_dict``
 with ``full_state_dict=True`` (``cpu_offload=True`` on accelerators; works for FSDP2, FSDP1, DDP and plain modules);
 the file is written to a temporary name in the same directory and renamed with ``os.replace``,
 so an interrupted save never leaves a half-written checkpoint. On resume every rank reads the
-file (on several nodes it must be on a shared file system) and loads it with ``set_state_dict``; the scaler gets its exact scale,
-growth tracker and counters back through ``load_state_dict``.
+file (on several nodes it must be on a shared file system) and loads it with ``set_state_dict``;
+the scaler gets its exact scale, growth tracker and counters back through ``load_state_dict``.
+
+``meta`` must match (else the weights do not fit); ``run`` may differ, but then the resumed run
+is not the uninterrupted one (e.g. another ``--steps`` stretches the LR schedule), which
+:func:`run_changes` reports. The scaler state moves between ``--scaler shardscale`` and
+``--scaler torch`` (both read torch's five keys); it is not restored across a change of
+fp16 (dynamic scale) to bf16/fp32 (guard, scale 1) or back (:func:`scaler_plan`).
 """
 
 from __future__ import annotations
@@ -29,6 +36,9 @@ from .config import ConfigError
 
 FORMAT = "shardscale.train/1"
 _NAME = re.compile(r"step-(\d+)\.pt$")
+#: Settings that shape the training trajectory without changing the model: recorded in each
+#: checkpoint so that a resume with other values can say it is not the uninterrupted run.
+RUN_KEYS = ("steps", "lr", "weight_decay", "batch_size", "seed", "clip_grad_norm")
 
 
 def path_for(out: str | Path, step: int) -> Path:
@@ -66,9 +76,13 @@ def read(path: str | Path) -> dict[str, Any]:
     """
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # corrupt zip, truncated pickle, permissions...
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"--resume {path}: not a readable checkpoint ({reason[:160]}).") from None
+    except OSError as e:  # permissions, I/O error (torch's zip errors are RuntimeErrors)
+        raise ConfigError(f"--resume {path}: cannot read it ({e.strerror or e}).") from None
+    except Exception:  # corrupt/truncated zip, a pickle weights_only refuses, not torch.save
+        raise ConfigError(
+            f"--resume {path}: not a readable shardscale checkpoint (corrupt, truncated, or "
+            "not written by `shardscale train`)."
+        ) from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise ConfigError(
             f"--resume {path}: not a shardscale train checkpoint (no {FORMAT!r} format tag)."
@@ -101,6 +115,60 @@ def check_compatible(
         )
 
 
+def run_settings(cfg: Any) -> dict[str, Any]:
+    """The :data:`RUN_KEYS` of a :class:`~shardscale.train.config.TrainConfig`."""
+    return {k: getattr(cfg, k) for k in RUN_KEYS}
+
+
+def run_changes(ckpt: dict[str, Any], cfg: Any) -> list[str]:
+    """The run settings of ``cfg`` that differ from the checkpoint's run, as option texts
+    (e.g. ``"--steps 400 (checkpoint's run: 200)"``); empty for a checkpoint without them."""
+    saved = ckpt.get("run")
+    if not isinstance(saved, dict):
+        return []
+    now = run_settings(cfg)
+    return [
+        f"--{k.replace('_', '-')} {now[k]} (checkpoint's run: {saved[k]})"
+        for k in RUN_KEYS
+        if k in saved and saved[k] != now[k]
+    ]
+
+
+def _scaler_mode(precision: str) -> str:
+    return "dynamic" if precision == "fp16" else "guard"
+
+
+def scaler_plan(ckpt: dict[str, Any], scaler_kind: str) -> tuple[bool, str]:
+    """Whether the checkpoint's scaler state can be loaded into this run's scaler.
+
+    ``scaler_kind`` is ``"<--scaler>/<--precision>"`` (e.g. ``"torch/fp16"``). The state moves
+    between shardscale's and torch's scalers (torch's ``GradScaler`` and FSDP
+    ``ShardedGradScaler`` read torch's five keys and ignore the others; shardscale accepts
+    torch's five), and between the bf16/fp32 guards; not from fp16 (dynamic) to bf16/fp32
+    (scale fixed at 1) or back.
+
+    Returns:
+        ``(True, note)`` (``note``: ``"from --scaler torch"`` across scalers, else empty), or
+        ``(False, reason)`` with a reason for the summary, such as
+        ``"checkpoint used --precision fp16"``.
+    """
+    scaler, precision = scaler_kind.split("/", 1)
+    saved = ckpt.get("scaler_kind")
+    if not isinstance(saved, str) or "/" not in saved:
+        return False, "the checkpoint does not say which scaler wrote it"
+    saved_scaler, saved_precision = saved.split("/", 1)
+    if _scaler_mode(saved_precision) != _scaler_mode(precision):
+        return False, f"checkpoint used --precision {saved_precision}"
+    if not ckpt.get("scaler"):
+        return False, (
+            f"the checkpoint's scaler (--scaler {saved_scaler}, --precision {saved_precision}) "
+            "was disabled"
+        )
+    if scaler == "torch" and precision != "fp16":
+        return False, f"--scaler torch is disabled with --precision {precision}"
+    return True, f"from --scaler {saved_scaler}" if saved_scaler != scaler else ""
+
+
 def save(
     path: Path,
     model: nn.Module,
@@ -109,11 +177,13 @@ def save(
     step: int,
     meta: dict[str, Any],
     scaler_kind: str,
+    run: dict[str, Any] | None = None,
 ) -> None:
     """Gather full state dicts on rank 0 and write ``path`` atomically. Collective.
 
     ``scaler_kind`` (e.g. ``"shardscale/fp16"``) tells :func:`restore` whether the saved scaler
-    state fits the scaler of the resumed run.
+    state fits the scaler of the resumed run; ``run`` (:func:`run_settings`) lets a resume tell
+    whether it continues the same run.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
@@ -135,6 +205,7 @@ def save(
         "scaler": scaler_sd,
         "scaler_kind": scaler_kind,
         "meta": meta,
+        "run": run or {},
     }
     try:
         torch.save(ckpt, tmp)
@@ -150,14 +221,15 @@ def restore(
     optimizer: torch.optim.Optimizer,
     scaler: Any,
     scaler_kind: str,
-) -> tuple[int, bool]:
+) -> tuple[int, bool, str]:
     """Load a checkpoint (read by every rank) into the model, optimizer and scaler. Collective.
 
-    The scaler state is loaded only if the checkpoint's ``scaler_kind`` equals ``scaler_kind``
-    (same scaler, same precision); otherwise the scaler starts afresh.
+    The scaler state is loaded when :func:`scaler_plan` allows it (also from the other
+    ``--scaler``); otherwise the scaler starts afresh at its initial scale.
 
     Returns:
-        The step the checkpoint was taken at, and whether the scaler state was loaded.
+        The step the checkpoint was taken at, whether the scaler state was loaded, and the
+        note of :func:`scaler_plan` (why not, or from which scaler).
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
@@ -168,10 +240,10 @@ def restore(
         optim_state_dict=ckpt["optim"],
         options=StateDictOptions(full_state_dict=True),
     )
-    loaded = bool(ckpt["scaler"]) and scaler.is_enabled() and ckpt.get("scaler_kind") == scaler_kind
+    loaded, why = scaler_plan(ckpt, scaler_kind)
     if loaded:
         scaler.load_state_dict(ckpt["scaler"])
-    return int(ckpt["step"]), loaded
+    return int(ckpt["step"]), loaded, why
 
 
 def _rank() -> int:

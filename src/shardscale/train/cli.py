@@ -64,6 +64,18 @@ def _prepare(cfg: TrainConfig) -> list[str]:
         path = checkpoint.resolve(cfg.resume)
         ckpt = checkpoint.read(path)
         checkpoint.check_compatible(ckpt, path, model.describe(cfg, data.load(cfg)), cfg.steps)
+        _check_scaler_state(ckpt, path, cfg)
+        changes = checkpoint.run_changes(ckpt, cfg)
+        if changes:
+            why = (
+                " (the LR warm-up and cosine span --steps)"
+                if any(c.startswith("--steps ") for c in changes)
+                else ""
+            )
+            _warn(
+                f"--resume {path}: {', '.join(changes)}: this is not the checkpoint's run "
+                f"continued{why}; it will not match an uninterrupted run bit for bit."
+            )
         if not out_given:
             run_dir = path.parent.parent if path.parent.name == "checkpoints" else path.parent
             cfg.out = str(run_dir)
@@ -75,6 +87,25 @@ def _prepare(cfg: TrainConfig) -> list[str]:
     if not os.access(cfg.out, os.W_OK):  # type: ignore[arg-type]
         raise ConfigError(f"--out {cfg.out}: not writable.")
     return extra + ["--out", str(cfg.out)]
+
+
+def _check_scaler_state(ckpt: dict, path: Path, cfg: TrainConfig) -> None:
+    """Load the checkpoint's scaler state into a CPU copy of this run's scaler, if it is to be
+    restored, so that a bad state fails here (exit 2) rather than in every worker."""
+    import torch
+
+    from . import checkpoint, parallel
+
+    restore, _ = checkpoint.scaler_plan(ckpt, f"{cfg.scaler}/{cfg.precision}")
+    if not restore:
+        return
+    try:
+        parallel.make_scaler(cfg, torch.device("cpu")).load_state_dict(ckpt["scaler"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        what = f"missing key {e}" if isinstance(e, KeyError) else str(e)
+        raise ConfigError(
+            f"--resume {path}: its scaler state does not load ({what.rstrip('.')})."
+        ) from None
 
 
 def launch(cfg: TrainConfig, worker_argv: list[str]) -> int:
@@ -148,6 +179,10 @@ def _root_cause(err: object) -> tuple[str, int]:
     if f.exitcode < 0:
         return f"rank {rank} died from signal {f.signal_name()} (see the lines above)", 1
     return f"rank {rank} exited with code {f.exitcode} and no message", f.exitcode or 1
+
+
+def _warn(message: str) -> None:
+    print(PREFIX.replace("error", "warning") + one_line(message), file=sys.stderr, flush=True)
 
 
 def _error(message: str, code: int) -> int:

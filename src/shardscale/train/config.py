@@ -104,10 +104,10 @@ def _positive_float(text: str) -> float:
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows ``(default: X)`` except where the default is None (the help text says it)."""
+    """Shows ``(default: X)`` except for flags and None/empty defaults (the help says those)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None:
+        if action.default is None or action.default == [] or action.nargs == 0:
             return action.help
         return super()._get_help_string(action)
 

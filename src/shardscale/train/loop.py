@@ -106,12 +106,13 @@ def train(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> dict
     Collective: every rank of the default process group runs it with the same ``cfg``.
 
     Raises:
-        ScaleCollapseError: the loss scale collapsed (after writing the metrics and the plot).
+        ScaleCollapseError: the loss scale collapsed (after writing the metrics and the plot);
+            the message names the training step (counted from 1, as in ``metrics.jsonl``).
         ConfigError: a bad ``--text`` file or ``--resume`` checkpoint (checked on every rank).
     """
     dataset = data.load(cfg)
     meta = model.describe(cfg, dataset)
-    ckpt = None
+    ckpt, path = None, None
     if cfg.resume:
         path = checkpoint.resolve(cfg.resume)
         ckpt = checkpoint.read(path)  # every rank reads it: the path must be visible to all nodes
@@ -122,10 +123,16 @@ def train(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> dict
     if isinstance(scaler, ShardedGradScaler):
         scaler.set_param_names(net)
     scaler_kind = f"{cfg.scaler}/{cfg.precision}"
-    start, scaler_loaded = 0, False
+    run = checkpoint.run_settings(cfg)
+    start, scaler_loaded, scaler_note, changes = 0, False, "", []
     if ckpt is not None:
-        start, scaler_loaded = checkpoint.restore(ckpt, net, optimizer, scaler, scaler_kind)
+        start, scaler_loaded, scaler_note = checkpoint.restore(
+            ckpt, net, optimizer, scaler, scaler_kind
+        )
+        changes = checkpoint.run_changes(ckpt, cfg)
         del ckpt
+    # ScaleCollapseError counts scaler updates from 0; training steps count from 1 (metrics.jsonl)
+    offset = start + 1 - _scaler_steps(scaler)
     batches = data.Batches(dataset, cfg, rank, world)
     rec = _Recorder(cfg, rank, world, start)
     amp = parallel.autocast(cfg, device)
@@ -152,9 +159,9 @@ def train(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> dict
             scaler.step(optimizer)
             try:
                 scaler.update()
-            except ScaleCollapseError:
-                rec.add(step, loss, scale, torch.ones(()))
-                raise
+            except ScaleCollapseError as e:  # the update is done: the skip flag is readable
+                rec.add(step, loss, scale, _skipped(scaler, scale, device))
+                raise _at_training_step(e, e.step + offset) from None
             rec.add(step, loss, scale, _skipped(scaler, scale, device))
             optimizer.zero_grad(set_to_none=True)
             if len(rec.pending) >= cfg.log_every or step == cfg.steps:
@@ -177,6 +184,7 @@ def train(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> dict
                     step,  # type: ignore[arg-type]
                     meta,
                     scaler_kind,
+                    run,
                 )
                 saves += time.perf_counter() - s0
         train_time = time.perf_counter() - t0 - saves
@@ -191,13 +199,12 @@ def train(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> dict
         if bar is not None:
             bar.close()
     final = checkpoint.path_for(cfg.out, cfg.steps)  # type: ignore[arg-type]
-    checkpoint.save(final, net, optimizer, scaler, cfg.steps, meta, scaler_kind)
+    checkpoint.save(final, net, optimizer, scaler, cfg.steps, meta, scaler_kind, run)
     final_scale = float(_scale_tensor(scaler, device))
     test_loss, accuracy = evaluate(net, dataset, cfg, rank, world, device)
     if rank != 0:
         return None
-    rows = report.read_metrics(Path(cfg.out) / report.METRICS)  # type: ignore[arg-type]
-    scales = [r["scale"] for r in rows] + [final_scale]
+    counts = _skip_counts(cfg, scaler, start, final_scale)
     n = cfg.steps - start
     summary = {
         "task": dataset.task,
@@ -209,13 +216,14 @@ def train(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> dict
         "world_size": world,
         "steps": cfg.steps,
         "start_step": start,
+        "resumed_from": str(path) if path is not None else None,
         "scaler_state_restored": scaler_loaded,
+        "scaler_state_note": scaler_note,
+        "run_changes": changes,
         "test_loss": test_loss,
         "test_accuracy": accuracy,
         "perplexity": math.exp(min(test_loss, 700.0)) if dataset.task == "text" else None,
-        "skipped_steps": sum(bool(r["skipped"]) for r in rows),
-        "backoffs": sum(b < a for a, b in zip(scales[:-1], scales[1:], strict=True)),
-        "growths": sum(b > a for a, b in zip(scales[:-1], scales[1:], strict=True)),
+        **counts,
         "final_scale": final_scale,
         "train_time": train_time,
         "time_per_step": train_time / max(n, 1),
@@ -227,6 +235,54 @@ def train(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> dict
         summary["scaler_metrics"] = scaler.metrics()
     report.write_summary(cfg.out, summary)  # type: ignore[arg-type]
     return summary
+
+
+def _scaler_steps(scaler: Any) -> int:
+    """Updates shardscale's scaler has counted (restored ones included); 0 for torch's."""
+    if isinstance(scaler, ShardedGradScaler):
+        return int(scaler.metrics().get("steps", 0))
+    return 0
+
+
+def _at_training_step(err: ScaleCollapseError, step: int) -> ScaleCollapseError:
+    """``err`` with the step named as in ``metrics.jsonl`` and ``--inject-inf-step`` (from 1),
+    not as the scaler's 0-based update index."""
+    message = str(err)
+    scaler_says = f"collapsed at step {err.step} "
+    if scaler_says in message:
+        message = message.replace(scaler_says, f"collapsed at training step {step} ", 1)
+    else:
+        message = f"loss scale collapsed at training step {step}: {message}"
+    return ScaleCollapseError(message, err.step, err.scale, err.report)
+
+
+def _skip_counts(cfg: TrainConfig, scaler: Any, start: int, final_scale: float) -> dict[str, Any]:
+    """Skipped steps, backoffs and growths, and the steps they cover.
+
+    shardscale's scaler counts them itself, restored from the checkpoint along with the scale;
+    for torch's scaler they come from ``metrics.jsonl`` (the whole run when it holds every step,
+    else this run segment: a resume into a new ``--out`` has only the steps after the resume).
+    """
+    if isinstance(scaler, ShardedGradScaler):
+        m = scaler.metrics()
+        return {
+            "skipped_steps": int(m["skipped_steps"]),
+            "backoffs": int(m["backoffs"]),
+            "growths": int(m["growths"]),
+            "skip_counts_steps": [cfg.steps - int(m["steps"]) + 1, cfg.steps],
+            "skip_counts_from": "scaler",
+        }
+    rows = report.read_metrics(Path(cfg.out) / report.METRICS)  # type: ignore[arg-type]
+    if [r["step"] for r in rows] != list(range(1, cfg.steps + 1)):
+        rows = [r for r in rows if r["step"] > start]
+    scales = [r["scale"] for r in rows] + [final_scale]
+    return {
+        "skipped_steps": sum(bool(r["skipped"]) for r in rows),
+        "backoffs": sum(b < a for a, b in zip(scales[:-1], scales[1:], strict=True)),
+        "growths": sum(b > a for a, b in zip(scales[:-1], scales[1:], strict=True)),
+        "skip_counts_steps": [rows[0]["step"] if rows else start + 1, cfg.steps],
+        "skip_counts_from": "metrics.jsonl",
+    }
 
 
 def _skipped(scaler: Any, scale_used: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -268,6 +324,10 @@ def evaluate(
 
 def _setup(cfg: TrainConfig, world: int, device: torch.device) -> str:
     what = "char transformer on " + Path(cfg.text).name if cfg.text else "digits MLP"
+    if cfg.parallel == "none":
+        return (
+            f"{what}, single process, {device.type}, {cfg.precision} compute, scaler={cfg.scaler}"
+        )
     backend = dist.get_backend() if dist.is_initialized() else "-"
     return (
         f"{what}, {cfg.parallel} x{world} ({backend}, {device.type}), {cfg.precision} compute, "

@@ -90,10 +90,19 @@ def plot(rows: list[dict[str, Any]], path: str | Path, title: str) -> Path:
     ax2.set_ylabel("loss scale (log2)", color="tab:orange")
     lines = ax.get_legend_handles_labels()
     lines2 = ax2.get_legend_handles_labels()
-    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="upper right", fontsize=8)
+    # below the axes: inside, it would hide part of the curves whatever the corner
+    ax.legend(
+        lines[0] + lines2[0],
+        lines[1] + lines2[1],
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.13),
+        ncol=3,
+        fontsize=8,
+        frameon=False,
+    )
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, bbox_inches="tight")
     plt.close(fig)
     return Path(path)
 
@@ -117,20 +126,39 @@ def table(summary: dict[str, Any]) -> str:
         result = ("val loss", f"{s['test_loss']:.4f}  (perplexity {s['perplexity']:.2f})")
     scale = s["final_scale"]
     scale_txt = f"{scale:g}" + (f"  (2**{math.log2(scale):g})" if scale > 0 else "")
+    resumed = bool(s["start_step"])
+    skips = f"{s['skipped_steps']}  (backoffs {s['backoffs']}, growths {s['growths']}"
+    first, last = s.get("skip_counts_steps") or (1, s["steps"])
+    if first > 1:
+        skips += f"; this run segment: steps {first}-{last}"
+    elif resumed:
+        skips += f"; steps {first}-{last}"
     rows = [
         ("run", s["setup"]),
         result,
-        (
-            "steps",
-            f"{s['steps']}" + (f"  (resumed at {s['start_step']})" if s["start_step"] else ""),
-        ),
-        (
-            "skipped steps",
-            f"{s['skipped_steps']}  (backoffs {s['backoffs']}, growths {s['growths']})",
-        ),
+        ("steps", f"{s['steps']}" + (f"  (resumed at {s['start_step']})" if resumed else "")),
+    ]
+    if resumed:
+        note = s.get("scaler_state_note") or ""
+        if s["scaler_state_restored"]:
+            rows.append(("scaler state", "restored" + (f" ({note})" if note else "")))
+        else:
+            rows.append(("scaler state", f"not restored: {note}"))
+        if s.get("run_changes"):
+            rows.append(
+                (
+                    "not bit-exact",
+                    "; ".join(s["run_changes"]) + ": not the checkpoint's run continued",
+                )
+            )
+    rows += [
+        ("skipped steps", skips + ")"),
         ("final scale", scale_txt),
         ("time / step", f"{1000 * s['time_per_step']:.2f} ms  ({s['train_time']:.1f} s)"),
-        ("output", f"{s['out']}  ({METRICS}, {PLOT}, {SUMMARY}, {Path(s['checkpoint']).name})"),
+        (
+            "output",
+            f"{s['out']}  ({METRICS}, {PLOT}, {SUMMARY}, checkpoints/{Path(s['checkpoint']).name})",
+        ),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
