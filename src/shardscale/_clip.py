@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from . import _sync
-from ._grads import iter_params, local_tensor
+from ._grads import grad_values, iter_params
 
 try:
     from torch.distributed.tensor import DTensor
@@ -301,31 +301,10 @@ def _bucket(params: Iterable[torch.Tensor]) -> _Buckets:
     """Local dense gradient tensors grouped by (device, dtype, sharded)."""
     buckets: _Buckets = {}
     for param in params:
-        if not isinstance(param, torch.Tensor):
-            raise TypeError(
-                f"optimizer params must be tensors, got {type(param).__name__}; "
-                "build the optimizer from module.parameters()."
-            )
-        grad = param.grad
-        if grad is None:
+        values = grad_values(param, coalesce_all=True)  # validates (TypeError/ValueError)
+        if values is None:
             continue
-        sharded = _is_sharded(param, grad)
-        values = local_tensor(grad)
-        if values.is_sparse:
-            if not values.is_coalesced():  # duplicate indices: the norm needs their sums
-                coalesced = values.coalesce()
-                param.grad = grad = coalesced
-                values = coalesced
-            values = values._values()
-        if not values.is_floating_point():
-            raise TypeError(f"gradients must be floating point, got dtype {values.dtype}.")
-        if values.device.type == "meta":
-            raise ValueError(
-                "a gradient is on the meta device (no data); materialize the model "
-                "(module.to_empty(device=...)) before training."
-            )
-        if values.numel() == 0:
-            continue
+        sharded = _is_sharded(param, param.grad)
         buckets.setdefault((values.device, values.dtype, sharded), []).append(values)
     return buckets
 

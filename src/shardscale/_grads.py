@@ -35,23 +35,38 @@ def iter_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
         yield from group["params"]
 
 
-def _grad_values(param: torch.Tensor) -> torch.Tensor | None:
-    """The dense tensor to unscale for ``param.grad`` (None if there is nothing to check).
+def grad_values(param: object, coalesce_all: bool = False) -> torch.Tensor | None:
+    """The dense local tensor holding ``param.grad``'s values (None if there is nothing).
 
-    Sparse low-precision gradients are coalesced first (``param.grad`` is replaced), because
-    summing duplicate fp16/bf16 entries may itself overflow: the check must see the sums.
+    A DTensor gradient gives its local shard; a sparse gradient its values, coalesced first
+    (``param.grad`` is replaced) when it is fp16/bf16 or ``coalesce_all``: summing duplicate
+    entries may itself overflow, so a check or a norm must see the sums. Empty shards give None.
+
+    Raises:
+        TypeError: ``param`` is not a tensor, or its gradient is not floating point.
+        ValueError: the gradient is on the meta device.
     """
-    grad = param.grad
-    if grad is None:
+    if not isinstance(param, torch.Tensor):
+        raise TypeError(
+            f"optimizer params must be tensors, got {type(param).__name__}; "
+            "build the optimizer from module.parameters()."
+        )
+    if param.grad is None:
         return None
-    grad = local_tensor(grad)
-    if grad.is_sparse:
-        if grad.dtype in (torch.float16, torch.bfloat16) and not grad.is_coalesced():
-            param.grad = grad = grad.coalesce()
-        grad = grad._values()
-    if grad.numel() == 0:
-        return None
-    return grad
+    values = local_tensor(param.grad)
+    if not values.is_floating_point():
+        raise TypeError(f"gradients must be floating point, got dtype {values.dtype}.")
+    if values.device.type == "meta":
+        raise ValueError(
+            "a gradient is on the meta device (no data); materialize the model "
+            "(module.to_empty(device=...)) before training."
+        )
+    if values.is_sparse:
+        low = values.dtype in (torch.float16, torch.bfloat16)
+        if (coalesce_all or low) and not values.is_coalesced():
+            param.grad = values = values.coalesce()
+        values = values._values()
+    return None if values.numel() == 0 else values
 
 
 def bucket_grads(optimizer: torch.optim.Optimizer, skip: Container[int] = ()) -> Buckets:
@@ -70,24 +85,11 @@ def bucket_grads(optimizer: torch.optim.Optimizer, skip: Container[int] = ()) ->
     """
     buckets: Buckets = defaultdict(lambda: defaultdict(list))
     for param in iter_params(optimizer):
-        if not isinstance(param, torch.Tensor):
-            raise TypeError(
-                f"optimizer params must be tensors, got {type(param).__name__}; "
-                "build the optimizer from module.parameters()."
-            )
         if id(param) in skip:
             continue
-        values = _grad_values(param)
-        if values is None:
-            continue
-        if not values.is_floating_point():
-            raise TypeError(f"gradients must be floating point, got dtype {values.dtype}.")
-        if values.device.type == "meta":
-            raise ValueError(
-                "a gradient is on the meta device (no data); materialize the model "
-                "(module.to_empty(device=...)) before training."
-            )
-        buckets[values.device][values.dtype].append(values)
+        values = grad_values(param)
+        if values is not None:
+            buckets[values.device][values.dtype].append(values)
     return buckets
 
 
