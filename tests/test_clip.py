@@ -471,3 +471,53 @@ def test_clip_parameter_list_two_ranks_agree(tmp_path):
     assert r0["scale"] == r1["scale"] == [1024.0, 512.0, 512.0]
     for p, q in zip(r0["params"], r1["params"], strict=True):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize(
+    "dtype,scale,p,value,numel",
+    [
+        (torch.float16, 2.0**16, 8.0, 0.5, 64),  # |S g|^8 overflows fp32 in a pow-sum
+        (torch.float16, 2.0**16, 10.0, 0.5, 64),
+        (torch.float32, 2.0**60, 2.0, 1.0, 10**6),  # sum of squares of S g overflows fp32
+        (torch.float32, 2.0**66, 2.0, 1.0, 10),
+        (torch.bfloat16, 2.0**70, 2.0, 1.0, 1000),
+    ],
+)
+def test_large_scale_with_finite_gradients_is_not_an_overflow(dtype, scale, p, value, numel):
+    """The norm of *scaled* gradients may overflow fp32 while the gradients are finite: the CPU
+    path recomputes that tensor's norm from unscaled chunks, so the step is not skipped."""
+    w = torch.nn.Parameter(torch.zeros(numel, dtype=dtype))
+    opt = torch.optim.SGD([w], lr=0.0)
+    s = ShardedGradScaler("cpu", init_scale=scale)
+    s.scale(torch.ones(()))  # creates the scale; then write the scaled gradient by hand
+    w.grad = torch.full((numel,), value * scale, dtype=dtype)
+    norm = s.clip_grad_norm_(opt, 1e30, p)
+    expected = torch.linalg.vector_norm(torch.full((numel,), value, dtype=torch.float64), p)
+    torch.testing.assert_close(norm.double(), expected, rtol=1e-5, atol=0)
+    s.step(opt)
+    s.update()
+    assert not bool(s.last_step_skipped(opt)) and s.get_scale() == scale
+
+
+def test_clip_optimizer_after_clip_params_raises():
+    a, _, oa, _, sa, _ = _pair()
+    _backward(a, sa, _batch())
+    sa.clip_grad_norm_(list(a.parameters())[:1], 1.0)
+    with pytest.raises(RuntimeError, match="after clip_grad_norm_\\(params\\)"):
+        sa.clip_grad_norm_(oa, 1.0)
+    sa.step(oa)  # still a consistent iteration
+    sa.update()
+
+
+def test_update_without_step_after_params_clip_does_not_wedge_the_scaler():
+    a, _, oa, _, sa, _ = _pair()
+    _backward(a, sa, _batch())
+    sa.clip_grad_norm_(list(a.parameters()), 1.0)
+    with pytest.raises(RuntimeError, match="no optimizer was stepped"):
+        sa.update()
+    sa.load_state_dict(sa.state_dict())  # at an iteration boundary again
+    oa.zero_grad()
+    _backward(a, sa, _batch())
+    sa.clip_grad_norm_(list(a.parameters()), 1.0)
+    sa.step(oa)
+    sa.update()

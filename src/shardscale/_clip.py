@@ -69,7 +69,9 @@ def clip_grad_norm_(
     ``Replicate``: counted once), FSDP1 ``FlatParameter`` gradients and ``use_orig_params``
     views (sharded), CPU-offloaded gradients next to device ones, fp32/fp16/bf16/fp64, sparse
     gradients (coalesced, their values count). Norms accumulate in fp32 (fp64 for fp64
-    gradients), so scaled fp16 gradients cannot overflow the norm.
+    gradients) from per-tensor norms multiplied by ``1/scale`` before any power is taken; on the
+    CPU a per-tensor norm whose *scaled* value overflowed is recomputed from unscaled chunks, so
+    a large scale never turns finite gradients into a spurious overflow there.
 
     Cost: one read pass computing per-tensor norms, **one** all-reduce of 3 floats (none
     without a process group), then one in-place multiply pass by
@@ -108,9 +110,15 @@ def clip_grad_norm_(
             ``step`` for this optimizer in the same iteration (the order is
             ``scale -> backward -> clip_grad_norm_ -> step -> update``).
         NotImplementedError: the scaler reduces over several process groups / a multi-dimensional
-            mesh (e.g. HSDP), or a DTensor gradient lives on a multi-dimensional mesh: which
+            mesh, or a DTensor gradient lives on a multi-dimensional mesh (FSDP2 HSDP): which
             gradients are replicated along which dimension is ambiguous there. Use
             ``unscale_`` + a norm of your own in that case.
+
+    .. warning:: Two FSDP1 set-ups cannot be told apart from the tensors and give a wrong norm:
+       ``HYBRID_SHARD`` with the scaler on the default (world) group sums shards over the
+       replica dimension too (pass ``process_group=`` the FSDP shard group); and ``NO_SHARD``
+       with ``use_orig_params=True`` counts the replicated gradients once per rank (use DDP, or
+       ``use_orig_params=False``, where ``NO_SHARD`` is detected).
     """
     from .scaler import OptState, ShardedGradScaler
 
@@ -155,6 +163,12 @@ def clip_grad_norm_(
             "clip_grad_norm_() was called after step() for this optimizer; the order is "
             "scaler.scale(loss).backward() -> scaler.clip_grad_norm_(opt, max_norm) -> "
             "scaler.step(opt) -> scaler.update()."
+        )
+    if scaler._pre_unscaled and any(id(q) in scaler._pre_unscaled for q in iter_params(optimizer)):
+        raise RuntimeError(
+            "clip_grad_norm_(optimizer) was called after clip_grad_norm_(params) on some of its "
+            "parameters in this iteration; clip either the optimizer or parameter lists, once "
+            "per parameter per iteration."
         )
     assert scaler._state is not None
     scale = scaler._state.scale
@@ -325,47 +339,79 @@ def _local_piece(
 ) -> torch.Tensor:
     """sum(|g / scale|^p) over ``grads`` (max(|g / scale|) for p=inf), a 0-d ``acc`` tensor.
 
-    One read of every gradient. On CUDA (and other accelerators) ``torch._foreach_norm`` with an
-    fp32 output reads low-precision gradients in place. On CPU, fp32/fp64 2-norms use BLAS dot
-    products (no temporary), other fp32 norms ``_foreach_norm``, and fp16/bf16 are converted to
-    fp32 in chunks of ``_CPU_CHUNK`` elements and reduced there (dot products for p=2).
+    One read of every gradient: per-tensor norms of the *scaled* gradients, each multiplied by
+    ``inv`` (so only unscaled norms are raised to the power p; no underflow of ``inv**p``).
+    On accelerators ``torch._foreach_norm`` (fp32 output; low-precision gradients read in place).
+    On CPU see :func:`_cpu_norms`, which also recomputes, from unscaled chunks, any per-tensor
+    norm whose scaled value overflowed (a large scale times finite gradients), so a finite
+    gradient is never taken for an overflow there. On accelerators that fallback would need a
+    host sync: a per-tensor norm of scaled gradients above ~1.8e19 (p=2) reads as an overflow.
     """
     device = grads[0].device
-    if device.type == "cpu" and grads[0].dtype in (torch.float16, torch.bfloat16):
-        # chunk -> fp32 (a bounded 1 MiB temporary) -> BLAS dot / max / pow-sum: faster on CPU
-        # than torch's low-precision norm kernels with an fp32 output (which convert the whole
-        # input), and exact in fp32 where a native fp16 norm of scaled gradients would overflow.
-        parts: list[torch.Tensor] = []
-        for g in grads:
-            for c in g.reshape(-1).split(_CPU_CHUNK):
-                f = c.to(acc)
-                if p == 2.0:
-                    parts.append(torch.dot(f, f))
-                elif math.isinf(p):
-                    parts.append(f.abs().amax())
-                else:
-                    parts.append(f.abs().pow_(p).sum())
-        joined = torch.stack(parts)
-        if inv is None:
-            return joined.amax() if math.isinf(p) else joined.sum()
-        inv_acc = inv.to(device=device, dtype=acc)
-        return joined.amax() * inv_acc if math.isinf(p) else joined.sum() * inv_acc**p
-    elif device.type == "cpu" and p == 2.0:
-        flat = [g.view(-1) if g.is_contiguous() else g.reshape(-1) for g in grads]
-        sq = torch.stack([torch.dot(f, f) for f in flat]).sum().to(acc)
-        return sq if inv is None else sq * inv.to(device=device, dtype=acc) ** 2
-    elif device.type == "cpu" or grads[0].dtype == acc:
-        norms = torch._foreach_norm(grads, p)
+    inv_acc = None if inv is None else inv.to(device=device, dtype=acc)
+    if device.type == "cpu":
+        norms = _cpu_norms(grads, p, inv_acc, acc)
     else:
-        norms = torch._foreach_norm(grads, p, dtype=acc)
-    stacked = torch.stack(norms).to(acc)
-    if inv is not None:
-        stacked = stacked * inv.to(device=device, dtype=acc)
+        raw = (
+            torch._foreach_norm(grads, p)
+            if grads[0].dtype == acc
+            else (torch._foreach_norm(grads, p, dtype=acc))
+        )
+        norms = torch.stack(raw).to(acc)
+        if inv_acc is not None:
+            norms = norms * inv_acc
     if math.isinf(p):
-        return stacked.max()
+        return norms.max()
     if p == 2.0:
-        return (stacked * stacked).sum()
-    return stacked.pow(p).sum()
+        return (norms * norms).sum()
+    return norms.pow(p).sum()
+
+
+def _chunk_norm(
+    g: torch.Tensor, p: float, inv: torch.Tensor | None, acc: torch.dtype
+) -> torch.Tensor:
+    """||g * inv||_p of one CPU tensor from fp32/fp64 chunks of ``_CPU_CHUNK`` elements (bounded
+    temporaries): BLAS dot products for p=2, max for inf, pow-sums otherwise."""
+    parts = []
+    for c in g.reshape(-1).split(_CPU_CHUNK):
+        f = c.to(acc) if inv is None else c.to(acc) * inv
+        if p == 2.0:
+            parts.append(torch.dot(f, f))
+        elif math.isinf(p):
+            parts.append(f.abs().amax())
+        else:
+            parts.append(f.abs().pow_(p).sum())
+    joined = torch.stack(parts)
+    if math.isinf(p):
+        return joined.amax()
+    return joined.sum().sqrt() if p == 2.0 else joined.sum().pow(1.0 / p)
+
+
+def _cpu_norms(
+    grads: list[torch.Tensor], p: float, inv: torch.Tensor | None, acc: torch.dtype
+) -> torch.Tensor:
+    """Per-tensor unscaled norms of CPU gradients, a 1-d ``acc`` tensor.
+
+    Fast path: fp32/fp64 2-norms by BLAS dot on the scaled tensor (no temporary), other fp32 norms
+    by ``_foreach_norm``, fp16/bf16 from fp32 chunks (torch's CPU low-precision norm with an fp32
+    output converts the whole tensor first). Then, where a scaled norm is not finite, the norm is
+    recomputed from unscaled chunks: reading the values costs nothing on the CPU.
+    """
+    low = grads[0].dtype in (torch.float16, torch.bfloat16)
+    if low:
+        raw = [_chunk_norm(g, p, None, acc) for g in grads]
+    elif p == 2.0:
+        raw = [torch.dot(f, f).sqrt() for f in (g.reshape(-1) for g in grads)]
+    else:
+        raw = list(torch._foreach_norm(grads, p))
+    norms = torch.stack(raw).to(acc)
+    if inv is None:
+        return norms
+    unscaled = norms * inv
+    if not bool(torch.isfinite(unscaled).all()):  # a CPU tensor: no device sync
+        for i in torch.nonzero(~torch.isfinite(unscaled)).flatten().tolist():
+            unscaled[i] = _chunk_norm(grads[i], p, inv, acc)
+    return unscaled
 
 
 def _global_norm(

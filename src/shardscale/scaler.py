@@ -441,6 +441,7 @@ class ShardedGradScaler:
             return
         stepped = [st for st in self._per_optimizer.values() if st.found_inf is not None]
         if not stepped:
+            self._pre_unscaled = {}  # do not leave a half-started iteration behind
             raise RuntimeError(
                 "update() was called but no optimizer was stepped or unscaled since the last "
                 f"update(); the order is {_ORDER}."
