@@ -442,11 +442,8 @@ def _global_norm(
         replicated_part = torch.zeros_like(replicated_part)  # counted once, from rank 0
     packed = torch.stack([sharded_part, replicated_part, nonfinite])
     if group is not None:
-        device = _sync.comm_device(group, home)
-        buf = packed if device == home else packed.to(device)
         op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
-        dist.all_reduce(buf, op=op, group=group)
-        packed = buf if buf is packed else buf.to(home, non_blocking=True)
+        packed = _sync.all_reduce(packed, [group], op)
     if is_inf:
         total = torch.maximum(packed[0], packed[1])
     else:

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ._config import ScalerConfig
-from ._grads import local_tensor
+from ._grads import grad_values
 from ._policy import round_f32
 
 
@@ -122,7 +122,7 @@ def scan_local(
 ) -> list[OverflowEntry]:
     """Count inf/NaN in every local gradient shard of ``optimizers`` (no collective).
 
-    One host synchronisation per gradient tensor: only for steps that overflowed.
+    One host read per gradient tensor: only for steps that overflowed.
     """
     entries: list[OverflowEntry] = []
     for j, opt in enumerate(optimizers):
@@ -130,16 +130,13 @@ def scan_local(
         for group in opt.param_groups:
             for p in group["params"]:
                 i += 1
-                if p.grad is None:
+                g = grad_values(p, coalesce_all=True)  # local shard / sparse values
+                if g is None:
                     continue
-                g = local_tensor(p.grad)
-                if g.is_sparse:
-                    g = g.coalesce()._values()
-                if g.numel() == 0:
-                    continue
-                with torch.no_grad():
-                    n_nan = int(torch.isnan(g).sum())
-                    n_inf = int(torch.isinf(g).sum())
+                with torch.no_grad():  # one host read per tensor
+                    n_nan, n_inf = torch.stack(
+                        [torch.isnan(g).sum(), torch.isinf(g).sum()]
+                    ).tolist()
                 if n_nan or n_inf:
                     name = names.get(id(p), f"<param {i - 1} of optimizer {j}>")
                     entries.append(

@@ -109,25 +109,29 @@ def comm_device(group: dist.ProcessGroup, preferred: torch.device) -> torch.devi
     return torch.device(kind, index)
 
 
-def all_reduce_max(flag: torch.Tensor, groups: list[dist.ProcessGroup]) -> torch.Tensor:
-    """All-reduce ``flag`` with MAX over each group, waiting for completion.
+def all_reduce(
+    tensor: torch.Tensor, groups: list[dist.ProcessGroup], op: dist.ReduceOp = dist.ReduceOp.MAX
+) -> torch.Tensor:
+    """All-reduce ``tensor`` with ``op`` over each group, waiting for completion.
 
     Args:
-        flag: float32 tensor (any shape) on the scale's device.
+        tensor: float32 tensor (any shape) on the scale's device.
         groups: from :func:`resolve_groups`; empty means no communication.
+        op: the reduction (MAX for found-inf flags; SUM for the norm parts of clipping).
 
     Returns:
-        The reduced tensor on ``flag``'s device (``flag`` itself when no copy was needed).
-        One all-reduce per group; the collective is complete (``wait()`` returned) before this
-        function returns, so the result may be read at once.
+        The reduced tensor on ``tensor``'s device (``tensor`` itself when no copy was needed),
+        moved to the device the backend needs and back (:func:`comm_device`). One all-reduce
+        per group; each is complete (``wait()`` returned) before this function returns, so the
+        result may be read at once.
     """
     for group in groups:
-        device = comm_device(group, flag.device)
-        buf = flag if device == flag.device else flag.to(device)
-        dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
-        if buf is not flag:
-            flag = buf.to(flag.device, non_blocking=True)
-    return flag
+        device = comm_device(group, tensor.device)
+        buf = tensor if device == tensor.device else tensor.to(device)
+        dist.all_reduce(buf, op=op, group=group)
+        if buf is not tensor:
+            tensor = buf.to(tensor.device, non_blocking=True)
+    return tensor
 
 
 def rank() -> int:

@@ -334,7 +334,7 @@ class ShardedGradScaler:
             step = (self._state.counters[0] % 2**24).to(torch.float32)
             # which optimizer this is, in a form every rank agrees on: its parameter count
             n = torch.full((), float(_sync.num_params(optimizer) % 2**24), device=home)
-            agreed = _sync.all_reduce_max(torch.stack([local, step, -step, n, -n]), groups)
+            agreed = _sync.all_reduce(torch.stack([local, step, -step, n, -n]), groups)
             if agreed.device.type == "cpu":
                 _sync.check_agreement(agreed, self._state.counters, optimizer)
             return agreed[0]
