@@ -5,7 +5,6 @@ Everything here is local to one rank: no collective, no host synchronisation.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Container, Iterator
 
 import torch
@@ -35,6 +34,12 @@ def iter_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
         yield from group["params"]
 
 
+#: Floating-point dtypes a gradient may have (a set lookup is cheaper than is_floating_point()).
+_FLOAT_DTYPES = frozenset(
+    d for d in vars(torch).values() if isinstance(d, torch.dtype) and d.is_floating_point
+)
+
+
 def grad_values(param: object, coalesce_all: bool = False) -> torch.Tensor | None:
     """The dense local tensor holding ``param.grad``'s values (None if there is nothing).
 
@@ -51,12 +56,15 @@ def grad_values(param: object, coalesce_all: bool = False) -> torch.Tensor | Non
             f"optimizer params must be tensors, got {type(param).__name__}; "
             "build the optimizer from module.parameters()."
         )
-    if param.grad is None:
+    grad = param.grad
+    if grad is None:
         return None
-    values = local_tensor(param.grad)
-    if not values.is_floating_point():
+    # This runs once per parameter per step: plain dense tensors (the common case) skip the
+    # DTensor and device-object checks, which cost more than the rest together.
+    values = grad if type(grad) is torch.Tensor else local_tensor(grad)
+    if values.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"gradients must be floating point, got dtype {values.dtype}.")
-    if values.device.type == "meta":
+    if values.is_meta:
         raise ValueError(
             "a gradient is on the meta device (no data); materialize the model "
             "(module.to_empty(device=...)) before training."
@@ -77,19 +85,37 @@ def bucket_grads(optimizer: torch.optim.Optimizer, skip: Container[int] = ()) ->
 
     Returns:
         ``{device: {dtype: [tensor, ...]}}`` of dense tensors (local DTensor shards, values of
-        sparse gradients). Parameters without ``.grad`` and empty shards are left out, so a rank
-        that holds no shard gets ``{}``.
+        sparse gradients), in the optimizer's parameter order. Parameters without ``.grad`` and
+        empty shards are left out, so a rank that holds no shard gets ``{}``.
 
     Raises:
         TypeError: a parameter is not a tensor, or a gradient is not floating point.
     """
-    buckets: Buckets = defaultdict(lambda: defaultdict(list))
-    for param in iter_params(optimizer):
-        if id(param) in skip:
-            continue
-        values = grad_values(param)
-        if values is not None:
-            buckets[values.device][values.dtype].append(values)
+    buckets: Buckets = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if skip and id(param) in skip:
+                continue
+            grad = param.grad if type(param) is torch.nn.Parameter else None
+            if (  # inline fast path for the common plain dense gradient
+                type(grad) is torch.Tensor
+                and grad.layout is torch.strided
+                and grad.dtype in _FLOAT_DTYPES
+                and not grad.is_meta
+            ):
+                values = grad if grad.numel() else None
+            else:
+                values = grad_values(param)
+            if values is None:
+                continue
+            per_dtype = buckets.get(values.device)
+            if per_dtype is None:
+                per_dtype = buckets[values.device] = {}
+            same = per_dtype.get(values.dtype)
+            if same is None:
+                per_dtype[values.dtype] = [values]
+            else:
+                same.append(values)
     return buckets
 
 
