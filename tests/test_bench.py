@@ -89,3 +89,12 @@ def test_counting_helpers_see_reads_and_skip_cpu_only_paths():
         bool(t)
         t.tolist()
     assert reads.syncs == 3 and reads.cpu_only == 0
+
+
+def test_paired_ratio_is_the_median_of_same_round_ratios():
+    ours = bench.Contender("ours", lambda: None, times=[2.0, 10.0, 3.0])
+    ref = bench.Contender("ref", lambda: None, times=[1.0, 10.0, 1.0])
+    # per-round ratios 2, 1, 3 -> 2 (a ratio of medians would give 3.0 / 1.0 = 3)
+    assert bench.paired_ratio(ours, ref) == 2.0
+    assert bench.paired_ratio(ref, ref) == 1.0
+    assert bench.paired_ratio(ours, bench.Contender("none", lambda: None)) is None

@@ -38,9 +38,9 @@ try:
 except ImportError:  # pragma: no cover
     FlatParameter = None  # type: ignore[assignment,misc]
 
-#: Elements per chunk when a low-precision CPU gradient is reduced in fp32: torch's CPU norm
-#: converts its whole input to the accumulation dtype first, so chunks bound that temporary
-#: to 1 MiB (fp32) instead of a gradient-sized copy.
+#: Elements per chunk when a CPU gradient is reduced in fp32 (fp16 gradients; overflowed scaled
+#: norms): torch's CPU norm with an fp32 ``dtype`` converts its whole input first, so chunks
+#: copied into one reused scratch buffer bound that temporary to 1 MiB (and stay in L2).
 _CPU_CHUNK = 1 << 18
 
 _EPS = 1e-6  # as torch.nn.utils.clip_grad_norm_
@@ -368,19 +368,23 @@ def _local_piece(
 
 
 def _chunk_norm(
-    g: torch.Tensor, p: float, inv: torch.Tensor | None, acc: torch.dtype
+    g: torch.Tensor, p: float, inv: torch.Tensor | None, acc: torch.dtype, buf: torch.Tensor
 ) -> torch.Tensor:
-    """||g * inv||_p of one CPU tensor from fp32/fp64 chunks of ``_CPU_CHUNK`` elements (bounded
-    temporaries): BLAS dot products for p=2, max for inf, pow-sums otherwise."""
+    """||g * inv||_p of one CPU tensor, converted to ``acc`` chunk by chunk into ``buf`` (a 1-d
+    ``acc`` scratch tensor of ``_CPU_CHUNK`` elements, reused: no allocation per chunk): BLAS dot
+    products for p=2, max for inf, pow-sums otherwise."""
     parts = []
-    for c in g.reshape(-1).split(_CPU_CHUNK):
-        f = c.to(acc) if inv is None else c.to(acc) * inv
+    for c in g.reshape(-1).split(buf.numel()):
+        f = buf[: c.numel()]
+        f.copy_(c)
+        if inv is not None:
+            f.mul_(inv)
         if p == 2.0:
             parts.append(torch.dot(f, f))
         elif math.isinf(p):
-            parts.append(f.abs().amax())
+            parts.append(f.abs_().amax())
         else:
-            parts.append(f.abs().pow_(p).sum())
+            parts.append(f.abs_().pow_(p).sum())
     joined = torch.stack(parts)
     if math.isinf(p):
         return joined.amax()
@@ -392,14 +396,32 @@ def _cpu_norms(
 ) -> torch.Tensor:
     """Per-tensor unscaled norms of CPU gradients, a 1-d ``acc`` tensor.
 
-    Fast path: fp32/fp64 2-norms by BLAS dot on the scaled tensor (no temporary), other fp32 norms
-    by ``_foreach_norm``, fp16/bf16 from fp32 chunks (torch's CPU low-precision norm with an fp32
-    output converts the whole tensor first). Then, where a scaled norm is not finite, the norm is
-    recomputed from unscaled chunks: reading the values costs nothing on the CPU.
+    Fast paths, each a single read of the gradients with no gradient-sized temporary:
+
+    * fp32/fp64: 2-norms by BLAS dot on the scaled tensor, other norms by ``_foreach_norm``;
+    * bf16: ``_foreach_norm`` (torch's CPU kernel accumulates in fp32 and rounds each per-tensor
+      norm to bf16: relative error <= 2**-9, as ``torch.nn.utils.clip_grad_norm_``, whose total
+      is rounded to bf16 as well; an fp32 result would need a conversion pass, 1.4x slower);
+    * fp16: fp32 chunks in a reused 1 MiB buffer (torch's CPU fp16 norm is 3x slower, and an
+      fp16 result would overflow above 65504).
+
+    Then, where a scaled norm is not finite, the norm is recomputed from unscaled fp32 chunks:
+    reading the values costs nothing on the CPU, and a large scale must not turn finite
+    gradients into a spurious overflow.
     """
-    low = grads[0].dtype in (torch.float16, torch.bfloat16)
-    if low:
-        raw = [_chunk_norm(g, p, None, acc) for g in grads]
+    dtype = grads[0].dtype
+    buf: torch.Tensor | None = None
+
+    def scratch() -> torch.Tensor:
+        nonlocal buf
+        if buf is None:
+            buf = torch.empty(min(_CPU_CHUNK, max(g.numel() for g in grads)), dtype=acc)
+        return buf
+
+    if dtype == torch.bfloat16:
+        raw = list(torch._foreach_norm(grads, p))
+    elif dtype == torch.float16:
+        raw = [_chunk_norm(g, p, None, acc, scratch()) for g in grads]
     elif p == 2.0:
         raw = [torch.dot(f, f).sqrt() for f in (g.reshape(-1) for g in grads)]
     else:
@@ -410,7 +432,7 @@ def _cpu_norms(
     unscaled = norms * inv
     if not bool(torch.isfinite(unscaled).all()):  # a CPU tensor: no device sync
         for i in torch.nonzero(~torch.isfinite(unscaled)).flatten().tolist():
-            unscaled[i] = _chunk_norm(grads[i], p, inv, acc)
+            unscaled[i] = _chunk_norm(grads[i], p, inv, acc, scratch())
     return unscaled
 
 

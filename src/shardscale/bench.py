@@ -1,8 +1,10 @@
 """``shardscale bench``: unscale/check, scaler-cycle and clipping benchmark against torch.
 
 One process. Every timed section runs its contenders *interleaved* (round r runs each contender
-once, in an order rotated every round) and reports the median over rounds, so machine noise
-hits all contenders alike. The rows:
+once, in an order rotated every round), together with the ``limit`` below. ``ms`` is the median
+over rounds; ``x limit`` and ``x torch`` are medians of *paired* ratios (a contender's time over
+the limit's / torch's time in the same round), so machine noise hits both sides of a ratio
+alike. The rows:
 
 * ``limit``: ``torch._foreach_mul_`` over the gradients (one read + one write of every byte), the
   physical limit of an in-place unscale; printed as GB/s.
@@ -330,16 +332,24 @@ class Config:
     torch_sharded: bool = True
 
 
+def paired_ratio(c: Contender, ref: Contender) -> float | None:
+    """Median over rounds of ``c``'s time / ``ref``'s time *in the same round* (None if either
+    has no times): noise that hits one round hits both contenders of the ratio alike."""
+    pairs = [a / b for a, b in zip(c.times, ref.times) if b > 0]
+    return statistics.median(pairs) if pairs else None
+
+
 def _rows_from(
     section: str,
     gs: GradSet,
     dtype: str,
     contenders: list[Contender],
-    limit_s: float | None,
+    limit: Contender | None,
     traffic: float | None,
 ) -> list[Row]:
+    """Rows for ``contenders`` (timed in the same interleaved rounds as ``limit``): ms and GB/s
+    from each one's median time, ``x limit`` / ``x torch`` as :func:`paired_ratio`."""
     base = next((c for c in contenders if c.is_torch and c.times and not c.error), None)
-    base_t = statistics.median(base.times) if base is not None else None
     rows = []
     for c in contenders:
         if c.error or not c.times:
@@ -354,8 +364,8 @@ def _rows_from(
                 dtype,
                 ms=t * 1e3,
                 gbps=None if traffic is None else traffic / t / 1e9,
-                x_limit=None if limit_s is None else t / limit_s,
-                x_torch=None if base_t is None else t / base_t,
+                x_limit=None if limit is None else paired_ratio(c, limit),
+                x_torch=None if base is None else paired_ratio(c, base),
             )
         )
     return rows
@@ -365,10 +375,18 @@ def _bench_case(cfg: Config, gs: GradSet, dtype: str, pg: Any) -> list[Row]:
     device = gs.device
     rows: list[Row] = []
     one = torch.ones((), device=device)
-    limit = Contender("in-place multiply (read+write)", lambda: torch._foreach_mul_(gs.grads, one))
-    time_interleaved([limit], cfg.rounds, device)
-    limit_s = statistics.median(limit.times)
-    rows += _rows_from("limit", gs, dtype, [limit], limit_s, 2 * gs.nbytes)
+
+    def limit() -> Contender:
+        """The physical limit, timed in the same interleaved rounds as each section's
+        contenders (every ``x limit`` is a ratio of times from the same rounds)."""
+        return Contender(
+            "in-place multiply (read+write)", lambda: torch._foreach_mul_(gs.grads, one)
+        )
+
+    if "unscale" not in cfg.sections:  # the limit row still heads the block
+        lim = limit()
+        time_interleaved([lim], cfg.rounds, device)
+        rows += _rows_from("limit", gs, dtype, [lim], lim, 2 * gs.nbytes)
 
     if "unscale" in cfg.sections:
         opt = gs.optimizer("sgd")
@@ -390,10 +408,12 @@ def _bench_case(cfg: Config, gs: GradSet, dtype: str, pg: Any) -> list[Row]:
                     lambda: _reference_unscale_rows(gs.grads, flag, one),
                 )
             )
-        time_interleaved(cont, cfg.rounds, device)
+        lim = limit()
+        time_interleaved([lim, *cont], cfg.rounds, device)
         for c in cyc.values():
             c.close()
-        rows += _rows_from("unscale", gs, dtype, cont, limit_s, 2 * gs.nbytes)
+        rows += _rows_from("limit", gs, dtype, [lim], lim, 2 * gs.nbytes)
+        rows += _rows_from("unscale", gs, dtype, cont, lim, 2 * gs.nbytes)
 
     if "cycle" in cfg.sections:
         for kind in ("sgd", "adamw", "adamw_fused"):
@@ -406,8 +426,9 @@ def _bench_case(cfg: Config, gs: GradSet, dtype: str, pg: Any) -> list[Row]:
                 cont.append(
                     Contender(f"{name} [{kind}]", c.step, is_torch=name == "torch GradScaler")
                 )
-            time_interleaved(cont, cfg.rounds, device)
-            rows += _rows_from("cycle", gs, dtype, cont, limit_s, None)
+            lim = limit()
+            time_interleaved([lim, *cont], cfg.rounds, device)
+            rows += _rows_from("cycle", gs, dtype, cont, lim, None)
             del cont
             for p in gs.params:  # reset the parameters AdamW moved
                 p.data.zero_()
@@ -439,15 +460,14 @@ def _bench_case(cfg: Config, gs: GradSet, dtype: str, pg: Any) -> list[Row]:
                         theirs.close,
                     ),
                 ]
-            time_interleaved(cont, cfg.rounds, device)
+            lim = limit()
+            time_interleaved([lim, *cont], cfg.rounds, device)
             ours.close()
             theirs.close()
-            new = _rows_from("clip", gs, dtype, cont[:2], limit_s, None)
+            new = _rows_from("clip", gs, dtype, cont[:2], lim, None)
             if len(cont) > 2:
-                pair = _rows_from("clip", gs, dtype, cont[2:], limit_s, None)
-                if pair[0].ms is not None and pair[1].ms is not None:
-                    pair[0].x_torch, pair[1].x_torch = pair[0].ms / pair[1].ms, 1.0
-                new += pair
+                cont[3].is_torch = True  # the torch recipe's clip+step+update is this pair's base
+                new += _rows_from("clip", gs, dtype, cont[2:], lim, None)
             rows += new
             for p in gs.params:
                 p.data.zero_()
