@@ -335,7 +335,7 @@ class Config:
 def paired_ratio(c: Contender, ref: Contender) -> float | None:
     """Median over rounds of ``c``'s time / ``ref``'s time *in the same round* (None if either
     has no times): noise that hits one round hits both contenders of the ratio alike."""
-    pairs = [a / b for a, b in zip(c.times, ref.times) if b > 0]
+    pairs = [a / b for a, b in zip(c.times, ref.times, strict=False) if b > 0]
     return statistics.median(pairs) if pairs else None
 
 
