@@ -71,7 +71,11 @@ def clip_grad_norm_(
     gradients (coalesced, their values count). Norms accumulate in fp32 (fp64 for fp64
     gradients) from per-tensor norms multiplied by ``1/scale`` before any power is taken; on the
     CPU a per-tensor norm whose *scaled* value overflowed is recomputed from unscaled chunks, so
-    a large scale never turns finite gradients into a spurious overflow there.
+    a large scale never turns finite gradients into a spurious overflow there. Precision: bf16
+    gradients on the CPU get per-tensor norms from torch's own kernel (fp32 accumulation, each
+    per-tensor norm rounded to bf16, relative error <= 2**-9, as
+    ``torch.nn.utils.clip_grad_norm_``, which also rounds the total to bf16); everything else
+    (CPU fp16/fp32, any dtype on accelerators) is exact to fp32.
 
     Cost: one read pass computing per-tensor norms, **one** all-reduce of 3 floats (none
     without a process group), then one in-place multiply pass by

@@ -574,7 +574,7 @@ def _largest_allocation(fn: Callable[[], Any], device: torch.device) -> int:
 
 
 def _clip_chunk_bytes() -> int:
-    """Bytes of the fp32 chunk clip_grad_norm_ converts at a time for fp16/bf16 CPU gradients."""
+    """Bytes of the fp32 scratch buffer clip_grad_norm_ converts fp16 CPU gradients through."""
     from ._clip import _CPU_CHUNK
 
     return _CPU_CHUNK * 4
