@@ -536,3 +536,88 @@ def test_update_without_step_after_params_clip_does_not_wedge_the_scaler():
     sa.clip_grad_norm_(list(a.parameters()), 1.0)
     sa.step(oa)
     sa.update()
+
+
+# ------------------------------------------- CPU fast path vs the device (tensor) path
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+_SPECIALS = [None, math.inf, -math.inf, math.nan, 6.0e4, 1.0e30]
+
+
+def _buckets_from(spec, seed):
+    """{(cpu, dtype, sharded): [tensors]} from [(dtype index, sharded, numel, special)]."""
+    gen = torch.Generator().manual_seed(seed)
+    buckets = {}
+    for dt, sharded, numel, special in spec:
+        dtype = _DTYPES[dt]
+        t = (torch.randn(numel, generator=gen, dtype=torch.float64) * 100).to(dtype)
+        if special is not None:
+            t[numel // 2] = special
+        buckets.setdefault((torch.device("cpu"), dtype, sharded), []).append(t)
+    return buckets
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.isnan(), b.isnan())
+        and (torch.equal(a.nan_to_num(), b.nan_to_num()))
+    )
+
+
+def _both_paths(buckets, p, inv, group=None):
+    from shardscale._clip import _global_norm_cpu, _global_norm_device
+
+    fast = _global_norm_cpu(buckets, p, inv, group)
+    slow = _global_norm_device(buckets, p, inv, torch.device("cpu"), group)
+    return fast, slow
+
+
+def test_cpu_global_norm_equals_the_device_path_bitwise():
+    """The Python-float CPU path does the device path's float32 arithmetic step for step."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    entry = st.tuples(
+        st.integers(0, 3), st.booleans(), st.integers(1, 300), st.sampled_from(_SPECIALS)
+    )
+
+    @settings(max_examples=150, deadline=None, derandomize=True)
+    @given(
+        spec=st.lists(entry, min_size=0, max_size=5),
+        p=st.sampled_from([1.0, 2.0, 3.5, math.inf]),
+        log2_scale=st.sampled_from([None, 0, 16, 100, -20]),
+        seed=st.integers(0, 2**16),
+    )
+    def check(spec, p, log2_scale, seed):
+        buckets = _buckets_from(spec, seed)
+        inv = None if log2_scale is None else torch.tensor(2.0**-log2_scale)
+        (t_fast, f_fast), (t_slow, f_slow) = _both_paths(buckets, p, inv)
+        assert _same(t_fast, t_slow), (t_fast, t_slow)
+        assert _same(f_fast, f_slow), (f_fast, f_slow)
+
+    check()
+
+
+def _paths_two_ranks(rank: int, world_size: int):
+    import torch.distributed as dist
+
+    out = []
+    for p in (1.0, 2.0, 3.5, math.inf):
+        for special in (None, math.inf, math.nan):
+            # rank-dependent shards; a replicated bucket whose NaN only rank 1 holds
+            spec = [(0, True, 50 + rank, None), (1, False, 7, special if rank == 1 else None)]
+            buckets = _buckets_from(spec, seed=rank)
+            (tf, ff), (ts, fs) = _both_paths(buckets, p, torch.tensor(2.0**-8), dist.group.WORLD)
+            out.append((p, str(special), _same(tf, ts) and _same(ff, fs), tf.item(), ff.item()))
+    return out
+
+
+@pytest.mark.dist
+def test_cpu_global_norm_equals_the_device_path_on_two_ranks(tmp_path):
+    r0, r1 = run_ranks(_paths_two_ranks, tmp_path)
+    for a, b in zip(r0, r1, strict=True):
+        assert a[2] and b[2], (a, b)  # fast == device path on each rank
+        assert a[3:] == b[3:] or (math.isnan(a[3]) and math.isnan(b[3]))  # ranks agree
+        if a[1] != "None":
+            assert a[4] == 1.0  # a non-finite gradient on rank 1 only: every rank flags it

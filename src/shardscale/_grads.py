@@ -77,6 +77,28 @@ def grad_values(param: object, coalesce_all: bool = False) -> torch.Tensor | Non
     return None if values.numel() == 0 else values
 
 
+def plain_grad(param: object) -> torch.Tensor | None:
+    """``param.grad`` when ``param`` is a plain ``nn.Parameter`` whose gradient is a non-empty,
+    dense (strided), floating-point, non-meta ``torch.Tensor`` (the common case), else None:
+    then call :func:`grad_values`, which handles and validates every other case.
+
+    A fast path: it runs once per parameter per step and skips the DTensor and device checks,
+    which cost more than the rest of a step's per-parameter work together.
+    """
+    if type(param) is not torch.nn.Parameter:
+        return None
+    grad = param.grad
+    if (
+        type(grad) is torch.Tensor
+        and grad.layout is torch.strided
+        and grad.dtype in _FLOAT_DTYPES
+        and not grad.is_meta
+        and grad.numel()
+    ):
+        return grad
+    return None
+
+
 def bucket_grads(optimizer: torch.optim.Optimizer, skip: Container[int] = ()) -> Buckets:
     """Group the local gradient tensors of ``optimizer`` by device and dtype.
 
@@ -96,16 +118,8 @@ def bucket_grads(optimizer: torch.optim.Optimizer, skip: Container[int] = ()) ->
         for param in group["params"]:
             if skip and id(param) in skip:
                 continue
-            grad = param.grad if type(param) is torch.nn.Parameter else None
-            if (  # inline fast path for the common plain dense gradient
-                type(grad) is torch.Tensor
-                and grad.layout is torch.strided
-                and grad.dtype in _FLOAT_DTYPES
-                and not grad.is_meta
-            ):
-                values = grad if grad.numel() else None
-            else:
-                values = grad_values(param)
+            grad = plain_grad(param)
+            values = grad_values(param) if grad is None else grad
             if values is None:
                 continue
             per_dtype = buckets.get(values.device)

@@ -64,7 +64,14 @@ _BLOCK = [
 #: Functions whose host reads run only when the scaler state lives on the CPU (on an
 #: accelerator these paths are asynchronous), so they are not counted as syncs.
 _CPU_ONLY_READS = frozenset(
-    {"_handle_collapse", "check_agreement", "step_in_place", "_cpu_norms", "_amp_update_scale_cpu_"}
+    {
+        "_handle_collapse",
+        "check_agreement",
+        "step_in_place",
+        "_cpu_norms",
+        "_global_norm_cpu",
+        "_amp_update_scale_cpu_",
+    }
 )
 
 #: Above this many elements the per-row reference loop is not timed (it is far too slow).
