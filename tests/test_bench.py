@@ -22,7 +22,13 @@ def test_gradient_shapes_follow_gpt2_small():
 
 
 def test_bad_arguments_exit_2(capsys):
-    for argv in (["--dtypes", "fp8"], ["--sizes", "ten"], ["--rounds", "0"], ["--sections", "x"]):
+    for argv in (
+        ["--dtypes", "fp8"],
+        ["--sizes", "ten"],
+        ["--rounds", "0"],
+        ["--sections", "x"],
+        ["--threads", "0"],
+    ):
         with pytest.raises(SystemExit) as e:
             bench.main(argv)
         assert e.value.code == 2

@@ -337,6 +337,7 @@ class Config:
     sections: tuple[str, ...] = ("unscale", "cycle", "clip", "counts", "memory")
     reference: bool = True
     torch_sharded: bool = True
+    threads: int | None = None  # torch.set_num_threads for the run; None: leave torch's default
 
 
 def paired_ratio(c: Contender, ref: Contender) -> float | None:
@@ -715,6 +716,12 @@ def _parser() -> argparse.ArgumentParser:
         "--quick", action="store_true", help="tiny sizes (200k), fp32+fp16, 2 rounds: a smoke test."
     )
     p.add_argument("--no-reference", action="store_true", help="skip the per-row .item() loop.")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for the run (torch.set_num_threads). Default: torch's default.",
+    )
     return p
 
 
@@ -745,6 +752,8 @@ def parse_config(argv: Sequence[str]) -> Config:
     unknown = set(sections) - {"unscale", "cycle", "clip", "counts", "memory"}
     if unknown or not sections:
         p.error(f"--sections: unknown {sorted(unknown)}")
+    if a.threads is not None and a.threads < 1:
+        p.error("--threads must be >= 1")
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda: CUDA is not available on this machine")
     return Config(
@@ -754,17 +763,20 @@ def parse_config(argv: Sequence[str]) -> Config:
         device=a.device,
         sections=sections,
         reference=not a.no_reference,
+        threads=a.threads,
     )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``shardscale bench [--sizes 10M,50M,100M] [--dtypes fp32,fp16,bf16] [--rounds 5]
-    [--quick] [--device cpu|cuda] [--sections ...]``: print the benchmark table.
+    [--quick] [--device cpu|cuda] [--sections ...] [--threads N]``: print the benchmark table.
 
     Returns:
         0 on success (argparse exits with 2 on bad arguments).
     """
     cfg = parse_config(sys.argv[1:] if argv is None else argv)
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     log(
         f"shardscale bench: torch {torch.__version__}, device {cfg.device}, "
