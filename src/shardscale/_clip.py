@@ -74,7 +74,7 @@ def clip_grad_norm_(
     CPU a per-tensor norm whose *scaled* value overflowed is recomputed from unscaled chunks, so
     a large scale never turns finite gradients into a spurious overflow there. Precision: bf16
     gradients on the CPU get per-tensor norms from torch's own kernel (fp32 accumulation, each
-    per-tensor norm rounded to bf16, relative error <= 2**-9, as
+    per-tensor norm rounded to bf16, relative error <= 2**-8, as
     ``torch.nn.utils.clip_grad_norm_``, which also rounds the total to bf16); everything else
     (CPU fp16/fp32, any dtype on accelerators) is exact to fp32.
 
@@ -181,14 +181,8 @@ def clip_grad_norm_(
     inv_scale = scaler._inv_scale()
     total, found_inf = _global_norm(buckets, p, inv_scale, home, group)
     coef = _clip_coef(total, max_norm_f)
-    overflow = found_inf > 0
-    if getattr(optimizer, "_step_supports_amp_scaling", False):
-        # No write pass: the fused kernel divides by grad_scale (in fp32) and skips on found_inf.
-        st.grad_scale = torch.where(overflow, scale, scale / coef).float()
-    else:
-        factor = torch.where(overflow, inv_scale, coef * inv_scale)
-        with torch.no_grad():
-            _mul_all(buckets, factor)
+    fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+    st.grad_scale, found_inf = _unscale_and_clip(buckets, scale, inv_scale, coef, found_inf, fused)
     st.found_inf = found_inf
     st.stage = OptState.UNSCALED
     return total
@@ -247,7 +241,9 @@ def _is_sharded(param: torch.Tensor, grad: torch.Tensor) -> bool:
 
 
 def _param_list(params: object) -> list[torch.Tensor]:
-    """A tensor or an iterable of tensors as a list (as torch.nn.utils.clip_grad_norm_ takes)."""
+    """A tensor or an iterable of tensors as a list without repeats (as
+    torch.nn.utils.clip_grad_norm_ takes; a parameter listed twice, e.g. a tied weight gathered
+    from two modules, is kept once: torch would count it twice in the norm)."""
     if isinstance(params, torch.Tensor):
         return [params]
     if isinstance(params, (str, bytes)) or not isinstance(params, Iterable):
@@ -255,13 +251,17 @@ def _param_list(params: object) -> list[torch.Tensor]:
             "clip_grad_norm_() takes an optimizer, a tensor or an iterable of parameters, got "
             f"{type(params).__name__}."
         )
-    out = list(params)
-    for q in out:
+    out: list[torch.Tensor] = []
+    seen: set[int] = set()
+    for q in params:
         if not isinstance(q, torch.Tensor):
             raise TypeError(
                 f"clip_grad_norm_() got a {type(q).__name__} among the parameters; pass tensors "
                 "(e.g. model.parameters())."
             )
+        if id(q) not in seen:  # a tied weight listed twice is one gradient: unscale it once
+            seen.add(id(q))
+            out.append(q)
     return out
 
 
@@ -309,8 +309,8 @@ def _clip_params(
     inv_scale = scaler._inv_scale()
     total, found_inf = _global_norm(buckets, p, inv_scale, scaler._state.scale.device, group)
     coef = _clip_coef(total, max_norm)
-    with torch.no_grad():
-        _mul_all(buckets, torch.where(found_inf > 0, inv_scale, coef * inv_scale))
+    scale = scaler._state.scale
+    _, found_inf = _unscale_and_clip(buckets, scale, inv_scale, coef, found_inf, fused=False)
     for q in params:
         scaler._pre_unscaled[id(q)] = found_inf
     return total
@@ -357,8 +357,9 @@ def _local_piece(
     On accelerators ``torch._foreach_norm`` (fp32 output; low-precision gradients read in place).
     On CPU see :func:`_cpu_norms`, which also recomputes, from unscaled chunks, any per-tensor
     norm whose scaled value overflowed (a large scale times finite gradients), so a finite
-    gradient is never taken for an overflow there. On accelerators that fallback would need a
-    host sync: a per-tensor norm of scaled gradients above ~1.8e19 (p=2) reads as an overflow.
+    gradient is never taken for an overflow there (nor, for scales < 1, an underflowed norm for
+    0). On accelerators that fallback would need a host sync: a per-tensor norm of scaled
+    gradients above ~1.8e19 (p=2) reads as an overflow, and one below ~1e-19 may read as 0.
     """
     device = grads[0].device
     inv_acc = None if inv is None else inv.to(device=device, dtype=acc)
@@ -413,14 +414,15 @@ def _cpu_norms(
 
     * fp32/fp64: 2-norms by BLAS dot on the scaled tensor, other norms by ``_foreach_norm``;
     * bf16: ``_foreach_norm`` (torch's CPU kernel accumulates in fp32 and rounds each per-tensor
-      norm to bf16: relative error <= 2**-9, as ``torch.nn.utils.clip_grad_norm_``, whose total
+      norm to bf16: relative error <= 2**-8, as ``torch.nn.utils.clip_grad_norm_``, whose total
       is rounded to bf16 as well; an fp32 result would need a conversion pass, 1.4x slower);
     * fp16: fp32 chunks in a reused 1 MiB buffer (torch's CPU fp16 norm is 3x slower, and an
       fp16 result would overflow above 65504).
 
-    Then, where a scaled norm is not finite, the norm is recomputed from unscaled fp32 chunks:
-    reading the values costs nothing on the CPU, and a large scale must not turn finite
-    gradients into a spurious overflow.
+    Then, where a scaled norm is not finite, or (scale < 1) so small that the p-th powers of
+    the scaled values may have underflowed, the norm is recomputed from unscaled fp32 chunks:
+    reading the values costs nothing on the CPU, and neither a large scale (a spurious
+    overflow) nor a tiny one (a norm of 0: no clipping) may change the result.
     """
     dtype = grads[0].dtype
     buf: torch.Tensor | None = None
@@ -443,8 +445,14 @@ def _cpu_norms(
     if inv is None:
         return norms
     unscaled = norms * inv
-    if not bool(torch.isfinite(unscaled).all()):  # a CPU tensor: no device sync
-        for i in torch.nonzero(~torch.isfinite(unscaled)).flatten().tolist():
+    redo = ~torch.isfinite(unscaled)
+    if not math.isinf(p) and float(inv) > 1.0:
+        # scale < 1: the powers of the (smaller) scaled values may underflow where the unscaled
+        # ones would not; below this scaled norm, recompute (underflowed terms are then < 2**-62
+        # of the norm's p-th power for any tensor under 2**40 elements)
+        redo |= norms < 2.0 ** (-64.0 / max(p, 1.0))
+    if bool(redo.any()):  # a CPU tensor: no device sync
+        for i in torch.nonzero(redo).flatten().tolist():
             unscaled[i] = _chunk_norm(grads[i], p, inv, acc, scratch())
     return unscaled
 
@@ -556,6 +564,50 @@ def _global_norm_cpu(
 def _clip_coef(total: torch.Tensor, max_norm: float) -> torch.Tensor:
     """``min(1, max_norm / (total + 1e-6))`` as torch.nn.utils.clip_grad_norm_ (0-d float32)."""
     return (max_norm / (total + _EPS)).clamp(max=1.0)
+
+
+#: ``scale / clip_coef`` from here on makes ``coef / scale`` subnormal in fp32 (or 0, or the
+#: folded grad_scale inf): a single multiply would lose the gradients' precision, or all of it.
+_FOLD_LIMIT = 2.0**126
+
+
+def _unscale_and_clip(
+    buckets: _Buckets,
+    scale: torch.Tensor,
+    inv_scale: torch.Tensor,
+    coef: torch.Tensor,
+    found_inf: torch.Tensor,
+    fused: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Unscale and clip: ``(grad_scale for a fused kernel or None, found_inf)``.
+
+    Fused: no write pass, the kernel divides by ``grad_scale = scale / coef`` in its fp32 math.
+    Otherwise one write pass by ``coef / scale``. After an overflow the gradients are only
+    unscaled (``grad_scale = scale``). Past ``_FOLD_LIMIT`` (a huge scale and a large norm) the
+    folded factor would leave fp32's normal range and silently zero or blur the update: on the
+    CPU (a free read) the gradients then get two write passes (``1/scale``, then ``coef``, as
+    torch's recipe); on a device, where reading would be a host sync, the step is taken as an
+    overflow (skipped, the scale backs off).
+    """
+    overflow = found_inf > 0
+    folded = torch.where(overflow, scale, scale / coef).float()
+    too_big = ~(folded < _FOLD_LIMIT)  # also inf / NaN
+    with torch.no_grad():
+        if scale.device.type == "cpu":
+            if bool(too_big):
+                _mul_all(buckets, inv_scale)
+                _mul_all(buckets, torch.where(overflow, torch.ones_like(coef), coef))
+                return None, found_inf
+            if fused:
+                return folded, found_inf
+            _mul_all(buckets, torch.where(overflow, inv_scale, coef * inv_scale))
+            return None, found_inf
+        found_inf = torch.maximum(found_inf, too_big.float())
+        overflow = found_inf > 0
+        if fused:
+            return torch.where(overflow, scale, folded), found_inf
+        _mul_all(buckets, torch.where(overflow, inv_scale, coef * inv_scale))
+        return None, found_inf
 
 
 def _mul_all(buckets: _Buckets, factor: torch.Tensor) -> None:

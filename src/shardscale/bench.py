@@ -70,6 +70,7 @@ _CPU_ONLY_READS = frozenset(
         "step_in_place",
         "_cpu_norms",
         "_global_norm_cpu",
+        "_unscale_and_clip",  # its only read is on the CPU branch
         "_amp_update_scale_cpu_",
     }
 )

@@ -440,16 +440,20 @@ class ShardedGradScaler:
             self._pre_unscaled = {}
             return
         stepped = [st for st in self._per_optimizer.values() if st.found_inf is not None]
-        if not stepped:
-            self._pre_unscaled = {}  # do not leave a half-started iteration behind
+        # the inf checks recorded this iteration: each stepped/unscaled optimizer's agreed flag,
+        # or, when only clip_grad_norm_(params) ran, those parameters' agreed flags (as torch's
+        # update() after unscale_() without step(): the checks made are what counts)
+        flags = [st.found_inf for st in stepped if st.found_inf is not None]
+        if not flags:
+            flags = list({id(f): f for f in self._pre_unscaled.values()}.values())
+        if not flags:
             raise RuntimeError(
                 "update() was called but no optimizer was stepped or unscaled since the last "
                 f"update(); the order is {_ORDER}."
             )
-        found_inf = stepped[0].found_inf
-        for st in stepped[1:]:
-            found_inf = found_inf + st.found_inf
-        assert found_inf is not None
+        found_inf = flags[0]
+        for flag in flags[1:]:
+            found_inf = found_inf + flag
         last = _LastStep(
             step=self._state.counters[0].clone(),  # no host sync in update()
             scale=self._state.scale.clone(),
