@@ -173,6 +173,13 @@ for cid, kw, exc, match in [
     ("max_below_min", {"min_scale": 4.0, "max_scale": 2.0}, ValueError, "max_scale"),
     ("hysteresis_0", {"hysteresis": 0}, ValueError, "hysteresis must be >= 1"),
     ("hysteresis_float", {"hysteresis": 1.5}, TypeError, "hysteresis must be"),
+    ("hysteresis_2pow31", {"hysteresis": 2**31}, ValueError, "hysteresis must be <= 2147483647"),
+    (
+        "growth_interval_2pow63",
+        {"growth_interval": 2**63},
+        ValueError,
+        "growth_interval must be <=",
+    ),
     ("consecutive_hysteresis_str", {"consecutive_hysteresis": "y"}, TypeError, "must be a bool"),
     ("dynamic_str", {"dynamic": "no"}, TypeError, "dynamic must be a bool"),
     ("max_consecutive_skips_0", {"max_consecutive_skips": 0}, ValueError, "max_consecutive"),
@@ -384,6 +391,9 @@ for cid, make, exc, match in [
     ("counters_list", _sd(_counters=[1, 2]), ValueError, "_counters"),
     ("counters_unknown_key", _sd(_counters={"epochs": 1}), ValueError, "_counters"),
     ("counters_negative", _sd(_counters={"steps": -1}), ValueError, "steps"),
+    ("counters_2pow63", _sd(_counters={"steps": 2**63}), ValueError, "64-bit"),
+    ("tracker_2pow40", _sd(_growth_tracker=2**40), ValueError, "32-bit"),
+    ("hysteresis_2pow40", _sd(hysteresis=2**40, _hysteresis_tracker=2**40), ValueError, "32-bit"),
 ]:
     for stage in ("fresh", "updated"):
         case(

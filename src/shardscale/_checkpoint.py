@@ -7,7 +7,7 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
-from ._config import ScalerConfig, check_scale
+from ._config import INT32_MAX, INT64_MAX, ScalerConfig, check_scale
 from ._policy import COUNTER_NAMES
 
 #: The keys of ``torch.amp.GradScaler.state_dict()``, required in every loaded state.
@@ -82,9 +82,9 @@ def parse_state_dict(state_dict: object, current: ScalerConfig) -> LoadedState:
     scale = check_scale(
         "state_dict['scale']", state_dict["scale"], config.min_scale, config.max_scale
     )
-    tracker = _nonneg_int("_growth_tracker", state_dict["_growth_tracker"])
+    tracker = _nonneg_int("_growth_tracker", state_dict["_growth_tracker"], INT32_MAX)
     hyst = _nonneg_int(
-        "_hysteresis_tracker", state_dict.get("_hysteresis_tracker", config.hysteresis)
+        "_hysteresis_tracker", state_dict.get("_hysteresis_tracker", config.hysteresis), INT32_MAX
     )
     if hyst > config.hysteresis:
         raise ValueError(
@@ -98,7 +98,13 @@ def parse_state_dict(state_dict: object, current: ScalerConfig) -> LoadedState:
     return LoadedState(config, scale, tracker, hyst, counters)
 
 
-def _nonneg_int(name: str, value: object) -> int:
+def _nonneg_int(name: str, value: object, maximum: int = INT64_MAX) -> int:
+    """``value`` as an int in [0, maximum] (the range of the integer tensor that holds it)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
         raise ValueError(f"state_dict[{name!r}] must be an int >= 0, got {value!r}.")
+    if value > maximum:
+        raise ValueError(
+            f"state_dict[{name!r}] must be <= {maximum} (it is held in a "
+            f"{'32' if maximum == INT32_MAX else '64'}-bit integer tensor), got {value!r}."
+        )
     return int(value)

@@ -31,12 +31,23 @@ def _check_real(name: str, value: object) -> float:
     return value
 
 
-def _check_int(name: str, value: object, minimum: int) -> int:
+#: Largest value of an int32 tracker (torch's growth tracker, our hysteresis tracker).
+INT32_MAX = 2**31 - 1
+#: Largest value of an int64 counter / setting compared with one.
+INT64_MAX = 2**63 - 1
+
+
+def _check_int(name: str, value: object, minimum: int, maximum: int = INT64_MAX) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r}).")
     value = int(value)
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}.")
+    if value > maximum:
+        raise ValueError(
+            f"{name} must be <= {maximum} (it is held in a "
+            f"{'32' if maximum == INT32_MAX else '64'}-bit integer tensor), got {value}."
+        )
     return value
 
 
@@ -144,7 +155,7 @@ class ScalerConfig:
             )
         if hi < lo:
             raise ValueError(f"max_scale ({hi}) must be >= min_scale ({lo}).")
-        _check_int("hysteresis", self.hysteresis, 1)
+        _check_int("hysteresis", self.hysteresis, 1, INT32_MAX)  # the tracker is int32
         for name in ("consecutive_hysteresis", "dynamic"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}.")

@@ -761,21 +761,21 @@ class ShardedGradScaler:
                 "before update()); load the state at an iteration boundary."
             )
         loaded = parse_state_dict(state_dict, self._config)
+        # build the new tensors (the last step that could fail) before changing anything
+        fresh = ScaleState.create(
+            self._state.scale.device if self._state is not None else torch.device("cpu"),
+            loaded.scale,
+            loaded.growth_tracker,
+            loaded.hysteresis_tracker,
+            loaded.counters,
+        )
         # validated: now mutate
         self._config = loaded.config
         self._init_scale, self._init_growth_tracker = loaded.scale, loaded.growth_tracker
         self._init_hysteresis_tracker = loaded.hysteresis_tracker
         self._init_counters = loaded.counters
         if self._state is not None:
-            self._state.copy_from(
-                ScaleState.create(
-                    self._state.scale.device,
-                    loaded.scale,
-                    loaded.growth_tracker,
-                    loaded.hysteresis_tracker,
-                    loaded.counters,
-                )
-            )
+            self._state.copy_from(fresh)
 
     def __getstate__(self) -> dict[str, Any]:
         if self._per_optimizer or self._pre_unscaled:
