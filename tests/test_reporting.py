@@ -534,3 +534,39 @@ def test_collapse_check_without_event_support_reads_the_flag_now():
     assert scaler._pending_collapse == []
     scaler._handle_collapse(_DeviceFlag(False), l0)
     assert scaler._pending_collapse == []
+
+
+def test_update_with_new_scale_still_counts_the_iteration():
+    """update(new_scale): scale set and trackers kept as torch does, and the iteration is
+    counted (metrics, last_step_skipped(), overflow_report()) like any other."""
+    torch.manual_seed(0)
+    m = torch.nn.Linear(2, 2)
+    ref = torch.nn.Linear(2, 2)
+    ref.load_state_dict(m.state_dict())
+    opt, opt_ref = (
+        torch.optim.SGD(m.parameters(), lr=0.1),
+        torch.optim.SGD(ref.parameters(), lr=0.1),
+    )
+    ours = ShardedGradScaler("cpu", init_scale=1024.0, param_names=m)
+    theirs = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for it, (poison, new_scale) in enumerate([(False, None), (True, 256.0), (False, 4096.0)]):
+        for model, o, s in ((m, opt, ours), (ref, opt_ref, theirs)):
+            o.zero_grad()
+            s.scale(model(torch.ones(2)).sum()).backward()
+            if poison:
+                model.weight.grad[0, 0] = float("inf")
+            s.step(o)
+            s.update(new_scale)
+        sd_ours, sd_theirs = ours.state_dict(), theirs.state_dict()
+        for key in ("scale", "_growth_tracker"):
+            assert sd_ours[key] == sd_theirs[key], (it, key)
+        assert bool(ours.last_step_skipped()) is poison
+        if it == 1:
+            report = ours.overflow_report()
+            assert report is not None and report.entries[0].name == "weight"
+    metrics = ours.metrics()
+    assert (metrics["steps"], metrics["skipped_steps"], metrics["overflows"]) == (3, 1, 1)
+    assert (metrics["backoffs"], metrics["growths"], metrics["consecutive_skips"]) == (1, 1, 0)
+    assert ours.get_scale() == theirs.get_scale() == 4096.0
+    for a, b in zip(m.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(a, b)

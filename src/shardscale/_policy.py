@@ -217,6 +217,29 @@ def reference_step(
     return PyScaleState(new_s, gt, ht, counters), collapsed
 
 
+def count_step(state: ScaleState, found_inf: torch.Tensor, new_scale: float) -> None:
+    """Advance only ``state.counters`` for an iteration whose scale the caller sets to
+    ``new_scale`` (``update(new_scale)``): steps, skips, consecutive skips, overflows, and a
+    backoff/growth when ``new_scale`` is below/above the current scale. In place, device ops
+    only (no host sync); the scale and the trackers are left to the caller (torch keeps them).
+    """
+    c = state.counters
+    overflow = (found_inf > 0).to(torch.int64)
+    consecutive = (c[2] + 1) * overflow
+    increments = torch.stack(
+        [
+            torch.ones_like(c[0]),
+            overflow,
+            torch.zeros_like(c[2]),
+            found_inf.to(torch.int64),
+            (state.scale > new_scale).to(torch.int64),
+            (state.scale < new_scale).to(torch.int64),
+        ]
+    )
+    c.add_(increments)
+    c[2] = consecutive
+
+
 def step_in_place(state: ScaleState, found_inf: torch.Tensor, config: ScalerConfig) -> torch.Tensor:
     """Advance ``state`` by one step, in place; return the 0-d bool ``collapsed`` flag.
 

@@ -22,7 +22,7 @@ from ._config import (
     check_scale,
 )
 from ._grads import bucket_grads, iter_params, unscale_and_check
-from ._policy import COUNTER_NAMES, ScaleState, step_in_place
+from ._policy import COUNTER_NAMES, ScaleState, count_step, step_in_place
 from ._report import (
     OverflowReport,
     collapse_error,
@@ -420,7 +420,9 @@ class ShardedGradScaler:
         sync): back off after an overflow on any rank (after ``hysteresis`` of them), grow after
         ``growth_interval`` clean steps, stay inside ``[min_scale, max_scale]``. All optimizers'
         agreed flags are combined once. With ``new_scale`` (a float, or a 1-element tensor on any
-        device, read with one host sync) the scale is set to it; trackers are kept, as in torch.
+        device, read with one host sync) the scale is set to it; trackers are kept, as in torch;
+        the iteration is still counted (``metrics()``, ``last_step_skipped()``,
+        ``overflow_report()``), and the collapse guard does not run (the caller chose the scale).
 
         Raises:
             RuntimeError: no :meth:`step`/:meth:`unscale_` since the last update (nothing to
@@ -433,12 +435,7 @@ class ShardedGradScaler:
             return
         if self._state is None:
             raise RuntimeError(f"update() was called before scale(); the order is {_ORDER}.")
-        if new_scale is not None:
-            value = self._check_new_scale(new_scale)
-            self._state.scale.fill_(value)
-            self._per_optimizer = {}
-            self._pre_unscaled = {}
-            return
+        value = None if new_scale is None else self._check_new_scale(new_scale)  # validate first
         stepped = [st for st in self._per_optimizer.values() if st.found_inf is not None]
         # the inf checks recorded this iteration: each stepped/unscaled optimizer's agreed flag,
         # or, when only clip_grad_norm_(params) ran, those parameters' agreed flags (as torch's
@@ -446,29 +443,43 @@ class ShardedGradScaler:
         flags = [st.found_inf for st in stepped if st.found_inf is not None]
         if not flags:
             flags = list({id(f): f for f in self._pre_unscaled.values()}.values())
-        if not flags:
+        if not flags and value is None:
             raise RuntimeError(
                 "update() was called but no optimizer was stepped or unscaled since the last "
                 f"update(); the order is {_ORDER}."
             )
-        found_inf = flags[0]
-        for flag in flags[1:]:
-            found_inf = found_inf + flag
-        last = _LastStep(
-            step=self._state.counters[0].clone(),  # no host sync in update()
-            scale=self._state.scale.clone(),
-            found_inf=found_inf,
-            optimizers=[st.optimizer for st in stepped if st.optimizer is not None],
-        )
-        collapsed = step_in_place(self._state, found_inf, self._config)
-        self._last = last
+        last = None
+        if flags:
+            found_inf = flags[0]
+            for flag in flags[1:]:
+                found_inf = found_inf + flag
+            last = _LastStep(
+                step=self._state.counters[0].clone(),  # no host sync in update()
+                scale=self._state.scale.clone(),
+                found_inf=found_inf,
+                optimizers=[st.optimizer for st in stepped if st.optimizer is not None],
+            )
+        collapsed = None
+        if value is not None:
+            # the user sets the scale (trackers kept, as torch); the iteration is still counted
+            # (steps, skips, overflows, last_step_skipped, reports), the collapse guard not run
+            if last is not None:
+                count_step(self._state, last.found_inf, value)
+            self._state.scale.fill_(value)
+        else:
+            assert last is not None
+            collapsed = step_in_place(self._state, last.found_inf, self._config)
+        if last is not None:
+            self._last = last
         self._per_optimizer = {}
         self._pre_unscaled = {}
         self._last_report = None  # a mid-iteration report may miss optimizers stepped later
-        if self._report_overflows and bool(found_inf > 0):  # one report for all optimizers
+        if last is not None and self._report_overflows and bool(last.found_inf > 0):
             live = [o for o in (ref() for ref in last.optimizers) if o is not None]
             logger.warning("%s", self._build_report(live, last.scale, last.index))
-        self._handle_collapse(collapsed, last)
+        if collapsed is not None:
+            assert last is not None
+            self._handle_collapse(collapsed, last)
 
     def _check_new_scale(self, new_scale: object) -> float:
         if isinstance(new_scale, torch.Tensor):
