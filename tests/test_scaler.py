@@ -396,7 +396,7 @@ def test_call_order_errors():
         ({"process_group": 3}, TypeError, "process_group"),
         ({"process_group": []}, TypeError, "process_group"),
         ({"process_group": [None]}, TypeError, "process_group"),
-        ({"enabled": 1}, TypeError, "enabled"),
+        ({"enabled": "yes"}, TypeError, "enabled"),
     ],
 )
 def test_bad_constructor_arguments(kwargs, exc, name):
@@ -746,3 +746,34 @@ def test_disabled_scaler_keeps_the_scheduler_pattern_working():
     s.step(opt)
     s.update()
     assert not bool(s.last_step_skipped(opt)) and not bool(s.last_step_skipped())
+
+
+def test_numpy_and_int_arguments_accepted_as_torch_does():
+    import numpy as np
+
+    for enabled in (1, np.True_, 0, np.False_):
+        s = ShardedGradScaler("cpu", enabled=enabled)
+        assert s.is_enabled() is bool(enabled)
+        assert torch.amp.GradScaler("cpu", enabled=enabled).is_enabled() == bool(enabled)
+    m = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    norms = []
+    for max_norm, norm_type in [
+        (1.0, 2.0),
+        (np.float32(1.0), 2.0),
+        (np.int64(1), 2),
+        (1.0, np.float32(2.0)),
+        (1.0, torch.tensor(2.0)),
+    ]:
+        s = ShardedGradScaler("cpu", init_scale=8.0)
+        m.zero_grad()
+        s.scale(m(torch.ones(2)).sum()).backward()
+        norms.append(s.clip_grad_norm_(opt, max_norm, norm_type).item())
+        s.update(8.0)  # no step: the gradients are recomputed each round
+    assert len(set(norms)) == 1
+
+
+def test_disabled_metrics_have_the_same_keys():
+    on, off = ShardedGradScaler("cpu"), ShardedGradScaler("cpu", enabled=False)
+    assert off.metrics().keys() == on.metrics().keys()
+    assert off.metrics()["scale"] == 1.0 and off.metrics()["skipped_steps"] == 0

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import numbers
 from collections.abc import Iterable
 from typing import Any
 
@@ -192,7 +193,7 @@ def clip_grad_norm_(
 def _check_max_norm(max_norm: object) -> float:
     if isinstance(max_norm, torch.Tensor) and max_norm.numel() == 1:
         max_norm = float(max_norm.item())
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
+    if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real):  # NumPy scalars too
         raise TypeError(f"max_norm must be a number, got {type(max_norm).__name__}.")
     value = float(max_norm)
     if math.isnan(value) or value < 0:
@@ -205,7 +206,9 @@ def _check_norm_type(norm_type: object) -> float:
         if norm_type.strip().lower() != "inf":
             raise ValueError(f"norm_type must be a number > 0 or 'inf', got {norm_type!r}.")
         return math.inf
-    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)):
+    if isinstance(norm_type, torch.Tensor) and norm_type.numel() == 1:
+        norm_type = float(norm_type.item())
+    if isinstance(norm_type, bool) or not isinstance(norm_type, numbers.Real):
         raise TypeError(f"norm_type must be a number or 'inf', got {type(norm_type).__name__}.")
     value = float(norm_type)
     if math.isnan(value) or value <= 0:

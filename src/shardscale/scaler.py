@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import numbers
 import warnings
 import weakref
 from collections.abc import Iterable, Mapping
@@ -161,8 +162,13 @@ class ShardedGradScaler:
         if not isinstance(device, (str, torch.device)):
             raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}.")
         self._device = torch.device(device).type
-        if not isinstance(enabled, bool):
+        is_numpy_bool = type(enabled).__module__ == "numpy" and type(enabled).__name__ in (
+            "bool_",
+            "bool",
+        )
+        if not (isinstance(enabled, numbers.Integral) or is_numpy_bool):
             raise TypeError(f"enabled must be a bool, got {enabled!r}.")
+        enabled = bool(enabled)  # as torch.amp.GradScaler: 1, numpy.True_ ... are accepted
         _sync.validate_process_group(process_group)
         bounds = {}
         if min_scale is not None:
@@ -580,9 +586,16 @@ class ShardedGradScaler:
     def metrics(self) -> dict[str, float | int]:
         """Plain numbers for loggers: ``scale``, ``growth_tracker``, ``hysteresis_tracker``,
         ``steps``, ``skipped_steps``, ``consecutive_skips``, ``overflows``, ``backoffs``,
-        ``growths`` (see :class:`ScaleState`) and ``last_step_skipped`` (0/1). One host sync."""
-        if not self._enabled:
-            return {"scale": 1.0}
+        ``growths`` (see :class:`ScaleState`) and ``last_step_skipped`` (0/1). One host sync.
+        A disabled scaler returns the same keys: scale 1.0 and zeros (nothing is counted)."""
+        if not self._enabled:  # the same keys (a logging loop must not depend on enabled)
+            return {
+                "scale": 1.0,
+                "growth_tracker": 0,
+                "hysteresis_tracker": 0,
+                **dict.fromkeys(COUNTER_NAMES, 0),
+                "last_step_skipped": 0,
+            }
         if self._state is None:
             values = [
                 self._init_scale,
