@@ -223,7 +223,10 @@ def test_disabled_scaler_metrics_and_step():
     scaler = ShardedGradScaler("cpu", enabled=False)
     backward(scaler, model, 0)
     assert scaler.step(opt) is None
-    assert scaler.metrics() == {**dict.fromkeys(ShardedGradScaler("cpu").metrics(), 0), "scale": 1.0}
+    assert scaler.metrics() == {
+        **dict.fromkeys(ShardedGradScaler("cpu").metrics(), 0),
+        "scale": 1.0,
+    }
 
 
 # ------------------------------------------------------------------------ LR scheduler skip
