@@ -28,6 +28,8 @@ def test_bad_arguments_exit_2(capsys):
         ["--rounds", "0"],
         ["--sections", "x"],
         ["--threads", "0"],
+        ["--device", "tpu"],
+        ["--device", "meta"],
     ):
         with pytest.raises(SystemExit) as e:
             bench.main(argv)

@@ -755,6 +755,12 @@ def parse_config(argv: Sequence[str]) -> Config:
         p.error(f"--sections: unknown {sorted(unknown)}")
     if a.threads is not None and a.threads < 1:
         p.error("--threads must be >= 1")
+    try:
+        kind = torch.device(a.device).type
+    except (RuntimeError, ValueError):
+        kind = ""
+    if kind not in ("cpu", "cuda"):
+        p.error(f"--device: {a.device!r} is not supported; use cpu or cuda")
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda: CUDA is not available on this machine")
     return Config(
