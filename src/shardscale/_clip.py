@@ -147,7 +147,7 @@ def clip_grad_norm_(
     if params is not None:
         return _clip_params(scaler, params, max_norm_f, p, group)
     if not scaler.is_enabled():
-        buckets = _bucket(iter_params(optimizer))
+        buckets = _bucket(iter_params(optimizer), scaler.rank_local_params)
         home = _first_device(buckets)
         total, _ = _global_norm(buckets, p, None, home, group)
         coef = _clip_coef(total, max_norm_f)
@@ -155,7 +155,8 @@ def clip_grad_norm_(
             _mul_all(buckets, coef)
         return total
 
-    buckets = _bucket(iter_params(optimizer))  # validates the gradients before any change
+    # validates the gradients before any change
+    buckets = _bucket(iter_params(optimizer), scaler.rank_local_params)
     st = scaler._require_stage("clip_grad_norm_", optimizer)
     if st.stage is OptState.UNSCALED:
         raise RuntimeError(
@@ -282,7 +283,8 @@ def _clip_params(
     """
     from .scaler import OptState
 
-    buckets = _bucket(params)  # validates the gradients before any state changes
+    # validates the gradients before any state changes
+    buckets = _bucket(params, scaler.rank_local_params)
     if not scaler.is_enabled():
         total, _ = _global_norm(buckets, p, None, _first_device(buckets), group)
         with torch.no_grad():
@@ -319,8 +321,10 @@ def _clip_params(
     return total
 
 
-def _bucket(params: Iterable[torch.Tensor]) -> _Buckets:
-    """Local dense gradient tensors grouped by (device, dtype, sharded)."""
+def _bucket(params: Iterable[torch.Tensor], rank_local: bool = False) -> _Buckets:
+    """Local dense gradient tensors grouped by (device, dtype, sharded). ``rank_local`` (the
+    ranks own different parameters: pipeline stages): every gradient counts as sharded, i.e.
+    summed over ranks, none as a replica counted once."""
     buckets: _Buckets = {}
     for param in params:
         # FSDP1's FlatParameter is an nn.Parameter by type, marked by an instance attribute
@@ -335,7 +339,8 @@ def _bucket(params: Iterable[torch.Tensor]) -> _Buckets:
             if values is None:
                 continue
             sharded = _is_sharded(param, param.grad)
-        buckets.setdefault((values.device, values.dtype, sharded), []).append(values)
+        key = (values.device, values.dtype, sharded or rank_local)
+        buckets.setdefault(key, []).append(values)
     return buckets
 
 

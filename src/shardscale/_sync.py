@@ -158,7 +158,9 @@ def check_agreement(
             f"this rank (rank {rank()}) checks an optimizer with {num_params(optimizer)} "
             f"parameters, other ranks one with {int(-neg_n_low)}..{int(n_high)}. Every rank must "
             "call unscale_/step/clip_grad_norm_ for the optimizers in the same order (safe "
-            "pattern: unscale_(opt_k); step(opt_k) for each k in a fixed order)."
+            "pattern: unscale_(opt_k); step(opt_k) for each k in a fixed order). If the ranks "
+            "own different parameters by design (pipeline-parallel stages), construct the "
+            "scaler with rank_local_params=True."
         )
     if high != -neg_low:
         own_step = int(counters[0])  # error path only

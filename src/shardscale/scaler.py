@@ -132,6 +132,15 @@ class ShardedGradScaler:
             it as a warning on the ``"shardscale"`` logger.
         param_names: an ``nn.Module`` or ``{name: parameter}`` map used to name parameters in
             reports (see :meth:`set_param_names`).
+        rank_local_params: False (default) when the ranks of the process group hold the same
+            model, replicated (DDP) or sharded (FSDP): the all-reduce then also checks that
+            every rank reduces the flag of an optimizer with the same parameter count, and
+            :meth:`clip_grad_norm_` counts plain (unsharded) gradients once, as replicas. True
+            when the ranks own *different* parameters, as pipeline-parallel stages do (one
+            scale for the whole pipeline, as Megatron-LM reduces found_inf over its
+            model-parallel group): the parameter-count check is off (the step counter is still
+            checked) and plain gradients are summed over ranks in the norm. For pipeline x data
+            parallelism pass the pipeline group as ``process_group``.
 
     Raises:
         TypeError, ValueError: a bad argument; the message names it.
@@ -156,6 +165,7 @@ class ShardedGradScaler:
         dynamic: bool = True,
         report_overflows: bool = False,
         param_names: torch.nn.Module | Mapping[str, torch.Tensor] | None = None,
+        rank_local_params: bool = False,
     ) -> None:
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -189,7 +199,10 @@ class ShardedGradScaler:
         self._init_scale = check_scale(
             "init_scale", init_scale, self._config.min_scale, self._config.max_scale
         )
+        if not isinstance(rank_local_params, bool):
+            raise TypeError(f"rank_local_params must be a bool, got {rank_local_params!r}.")
         self._names = _report_names(param_names)
+        self.rank_local_params = rank_local_params
         self._enabled = enabled
         self.process_group = process_group
         self._report_overflows = bool(report_overflows)
@@ -339,7 +352,9 @@ class ShardedGradScaler:
                 return local
             step = (self._state.counters[0] % 2**24).to(torch.float32)
             # which optimizer this is, in a form every rank agrees on: its parameter count
-            n = torch.full((), float(_sync.num_params(optimizer) % 2**24), device=home)
+            # (not comparable when the ranks own different parameters: pipeline stages)
+            count = 0 if self.rank_local_params else _sync.num_params(optimizer) % 2**24
+            n = torch.full((), float(count), device=home)
             agreed = _sync.all_reduce(torch.stack([local, step, -step, n, -n]), groups)
             if agreed.device.type == "cpu":
                 _sync.check_agreement(agreed, self._state.counters, optimizer)
