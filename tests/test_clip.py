@@ -584,7 +584,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _both_paths(buckets, p, inv, group=None):
-    from shardscale._clip import _global_norm_cpu, _global_norm_device
+    from shardscale._norm import _global_norm_cpu, _global_norm_device
 
     fast = _global_norm_cpu(buckets, p, inv, group)
     slow = _global_norm_device(buckets, p, inv, torch.device("cpu"), group)

@@ -584,7 +584,7 @@ def _largest_allocation(fn: Callable[[], Any], device: torch.device) -> int:
 
 def _clip_chunk_bytes() -> int:
     """Bytes of the fp32 scratch buffer clip_grad_norm_ converts fp16 CPU gradients through."""
-    from ._clip import _CPU_CHUNK
+    from ._norm import _CPU_CHUNK
 
     return _CPU_CHUNK * 4
 
