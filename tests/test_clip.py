@@ -717,3 +717,41 @@ def test_huge_scale_clip_matches_torch_recipe(fused, log2_scale):
     assert n_a == n_b == 1000.0 and s_a == s_b == scale
     torch.testing.assert_close(w_a, w_b, rtol=1e-6, atol=0)
     assert w_a.norm().item() == pytest.approx(1.0, rel=1e-4)  # a real, clipped update
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("log2_scale", [10, 122])
+def test_device_branch_takes_an_unfoldable_clip_as_an_overflow(fused, log2_scale):
+    """The accelerator branch of the unscale/clip step (no host reads), run on CPU tensors:
+    within fp32 it gives the host branch's result; past it (scale / coef >= 2**126) the step is
+    flagged as an overflow instead of zeroing the update, and the gradients are only unscaled."""
+    from shardscale._clip import _unscale_and_clip
+
+    scale = torch.tensor(2.0**log2_scale)
+    inv = scale.double().reciprocal().float()
+    coef = torch.tensor(1e-3)  # unscaled norm 1000, max_norm 1
+    out = {}
+    for host in (True, False):
+        g = torch.full((100,), 10.0) * scale
+        buckets = {(torch.device("cpu"), torch.float32, False): [g]}
+        gs, flag = _unscale_and_clip(buckets, scale, inv, coef, torch.zeros(()), fused, host)
+        out[host] = (gs, flag.item(), g.clone())
+    if log2_scale == 10:  # foldable: both branches agree exactly
+        (gs_h, f_h, g_h), (gs_d, f_d, g_d) = out[True], out[False]
+        assert f_h == f_d == 0.0 and torch.equal(g_h, g_d)
+        assert (gs_h is None) == (gs_d is None) == (not fused)
+        if fused:
+            assert torch.equal(gs_h, gs_d) and torch.equal(gs_h, scale / coef)
+            assert torch.equal(g_h, torch.full((100,), 10.0 * 2.0**10))  # not written
+        else:
+            torch.testing.assert_close(g_h, torch.full((100,), 10.0 * 1e-3), rtol=1e-6, atol=0)
+    else:
+        gs_h, f_h, g_h = out[True]
+        assert f_h == 0.0 and gs_h is None  # host: unscale, then clip: exact
+        torch.testing.assert_close(g_h, torch.full((100,), 10.0 * 1e-3), rtol=1e-6, atol=0)
+        gs_d, f_d, g_d = out[False]
+        assert f_d == 1.0  # device: an overflow (skip, back off), never a zero update
+        if fused:
+            assert gs_d.item() == 2.0**122 and torch.equal(g_d, torch.full((100,), 10.0 * scale))
+        else:
+            assert gs_d is None and torch.equal(g_d, torch.full((100,), 10.0))  # only unscaled

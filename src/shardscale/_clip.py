@@ -359,8 +359,12 @@ def _unscale_and_clip(
     coef: torch.Tensor,
     found_inf: torch.Tensor,
     fused: bool,
+    host_reads: bool | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Unscale and clip: ``(grad_scale for a fused kernel or None, found_inf)``.
+
+    ``host_reads``: whether values may be read on the host (default: the scale is on the CPU);
+    False is the accelerator branch, which tests also run on CPU tensors.
 
     Fused: no write pass, the kernel divides by ``grad_scale = scale / coef`` in its fp32 math.
     Otherwise one write pass by ``coef / scale``. After an overflow the gradients are only
@@ -373,8 +377,10 @@ def _unscale_and_clip(
     overflow = found_inf > 0
     folded = torch.where(overflow, scale, scale / coef).float()
     too_big = ~(folded < _FOLD_LIMIT)  # also inf / NaN
+    if host_reads is None:
+        host_reads = scale.device.type == "cpu"
     with torch.no_grad():
-        if scale.device.type == "cpu":
+        if host_reads:
             if bool(too_big):
                 _mul_all(buckets, inv_scale)
                 _mul_all(buckets, torch.where(overflow, torch.ones_like(coef), coef))
