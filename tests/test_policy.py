@@ -561,3 +561,49 @@ def test_step_in_place_cpu_fast_path_matches_next_state(hysteresis, consecutive)
         assert fast.hysteresis_tracker.item() == slow.hysteresis_tracker.item()
         assert fast.counters.tolist() == slow.counters.tolist()
         assert bool(collapsed_fast) == bool(collapsed_slow)
+
+
+def _deepspeed_min_scale_errors(pattern, hysteresis, consecutive):
+    """DeepSpeed's DynamicLossScaler.update_scale with raise_error_at_min_scale=True, written
+    out (scale at min_scale, delayed_shift=hysteresis): the steps at which it raises."""
+    cur_hysteresis, raised = hysteresis, []
+    for i, overflow in enumerate(pattern):
+        if overflow:
+            if hysteresis == 1 or cur_hysteresis == 1:
+                raised.append(i)  # "Current loss scale already at minimum"
+            else:
+                cur_hysteresis -= 1
+        elif consecutive:
+            cur_hysteresis = hysteresis
+    return raised
+
+
+@pytest.mark.parametrize("consecutive", [False, True])
+@pytest.mark.parametrize("hysteresis", [1, 2, 3])
+def test_collapse_at_min_scale_only_when_a_backoff_is_due(hysteresis, consecutive):
+    """At min_scale an overflow the hysteresis absorbs is not a collapse (DeepSpeed raises only
+    when it would shift down); both implementations of the rule agree with that."""
+    cfg = ScalerConfig(
+        min_scale=1.0,
+        hysteresis=hysteresis,
+        consecutive_hysteresis=consecutive,
+        growth_interval=10**6,
+    )
+    pattern = [0, 1, 0, 1, 1, 0, 1, 1, 1, 1]
+    ds = _deepspeed_min_scale_errors(pattern, hysteresis, consecutive)
+    py = PyScaleState(1.0, 0, hysteresis, (0,) * 6)
+    state = ScaleState.create(torch.device("cpu"), 1.0, 0, hysteresis, (0,) * 6)
+    ours_py, ours_dev = [], []
+    for i, f in enumerate(pattern):
+        py, c_py = reference_step(py, f, cfg)
+        new, c_dev = next_state(state, torch.tensor(float(f)), cfg)
+        state = new
+        ours_py += [i] if c_py else []
+        ours_dev += [i] if bool(c_dev) else []
+    if not consecutive:
+        # Megatron-style hysteresis (refilled only on growth) has no DeepSpeed twin here: the
+        # budget, once spent, stays spent, so every later overflow at min_scale collapses
+        spent = [i for i, f in enumerate(pattern) if f][hysteresis - 1 :]
+        assert ours_py == ours_dev == spent
+    else:
+        assert ours_py == ours_dev == ds

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import io
 import math
+import struct
 import warnings
 
 import pytest
@@ -777,3 +778,36 @@ def test_disabled_metrics_have_the_same_keys():
     on, off = ShardedGradScaler("cpu"), ShardedGradScaler("cpu", enabled=False)
     assert off.metrics().keys() == on.metrics().keys()
     assert off.metrics()["scale"] == 1.0 and off.metrics()["skipped_steps"] == 0
+
+
+@pytest.mark.parametrize(
+    "kw, poison",
+    [
+        ({"init_scale": 2.0**-12, "min_scale": 1e-4, "on_collapse": "warn"}, True),
+        ({"init_scale": 0.25, "max_scale": 0.3, "growth_interval": 1}, False),
+        ({"init_scale": 0.3, "max_scale": 0.3}, False),
+    ],
+)
+def test_state_dict_at_a_bound_float32_cannot_hold_loads_back(kw, poison):
+    """The float32 scale clamped at min_scale=1e-4 (or max_scale=0.3) sits just outside the
+    Python-float bound; its state_dict must load back, into the same and a fresh scaler."""
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.1)
+    s = ShardedGradScaler("cpu", **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the collapse warning at min_scale
+        for _ in range(3):
+            s.scale((p * (math.inf if poison else 1.0)).sum()).backward()
+            s.step(opt)
+            s.update()
+            opt.zero_grad()
+    sd = s.state_dict()
+    bound = kw.get("min_scale", kw.get("max_scale"))
+    assert sd["scale"] == struct.unpack("f", struct.pack("f", bound))[0] != bound
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    for target in (s, ShardedGradScaler("cpu", **kw)):
+        target.load_state_dict(loaded)
+        assert target.state_dict()["scale"] == sd["scale"]

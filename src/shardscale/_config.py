@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import struct
 from typing import Literal
 
 import torch
@@ -78,12 +79,20 @@ def check_growth_interval(value: object) -> int:
     return _check_int("growth_interval", value, 1)
 
 
+def _f32(x: float) -> float:
+    """``x`` rounded to float32 (the scale tensor's dtype); ``x`` within float32's range."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
 def check_scale(name: str, value: object, min_scale: float, max_scale: float) -> float:
-    """Validate a scale value: finite, > 0 and inside ``[min_scale, max_scale]``."""
+    """Validate a scale value: finite, > 0 and inside ``[min_scale, max_scale]``, the bounds
+    widened to their float32 roundings (a float32 scale clamped at a bound that float32 cannot
+    hold, e.g. 1e-4, sits just outside it and must load back from a state_dict)."""
     v = _check_real(name, value)
     if v <= 0.0:
         raise ValueError(f"{name} must be > 0, got {v}.")
-    if not min_scale <= v <= max_scale:
+    lo, hi = min(min_scale, _f32(min_scale)), max(max_scale, _f32(max_scale))
+    if not lo <= v <= hi:
         raise ValueError(
             f"{name}={v} lies outside [min_scale, max_scale] = [{min_scale}, {max_scale}]; "
             "change the value or the bounds."

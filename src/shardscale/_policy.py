@@ -22,8 +22,10 @@ Algorithm (per :meth:`ShardedGradScaler.update`)::
             growth_tracker = 0
             hysteresis_tracker = hysteresis       # Megatron-LM: refill when the scale grows
             scale = min(scale * growth_factor, max_scale)
-    collapsed = overflow and old_scale <= min_scale
+    collapsed = (overflow and a backoff is due (hysteresis spent, or dynamic=False)
+                 and old_scale <= min_scale)
                 or consecutive_skips >= max_consecutive_skips
+    # as DeepSpeed's raise_error_at_min_scale: an overflow the hysteresis absorbs is no collapse
 
 Products are computed in float64 and rounded to float32, exactly as torch's
 ``_amp_update_scale_`` kernel does, so with ``hysteresis=1`` and the default bounds the scale
@@ -151,7 +153,8 @@ def next_state(
     )
     new_counters = counters + increments
     new_counters[2] = consecutive
-    collapsed = overflow & (scale <= round_f32(config.min_scale))
+    backoff_due = do_backoff if config.dynamic else overflow
+    collapsed = backoff_due & (scale <= round_f32(config.min_scale))
     if config.max_consecutive_skips is not None:
         collapsed = collapsed | (consecutive >= config.max_consecutive_skips)
     return ScaleState(
@@ -211,7 +214,8 @@ def reference_step(
         backoffs + int(new_s < s),
         growths + int(new_s > s),
     )
-    collapsed = overflow and s <= round_f32(config.min_scale)
+    backoff_due = overflow and (ht <= 0 if config.dynamic else True)
+    collapsed = backoff_due and s <= round_f32(config.min_scale)
     if config.max_consecutive_skips is not None:
         collapsed = collapsed or consecutive >= config.max_consecutive_skips
     return PyScaleState(new_s, gt, ht, counters), collapsed
