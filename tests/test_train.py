@@ -246,6 +246,10 @@ UNREADABLE = (
         (["--text", "/no/such/file.txt"], "--text /no/such/file.txt: no such file"),
         (["--parallel", "none", "--nproc", "2"], "--parallel none trains one process"),
         (["--batch-size", "33"], "--batch-size 33 does not split evenly over 2 ranks"),
+        (
+            ["--parallel", "ddp", "--reduce-dtype", "bf16", "--device", "cpu"],
+            "--parallel ddp --reduce-dtype bf16 needs CUDA/NCCL",
+        ),
         (["--inject-inf-step", "99", "--steps", "5"], "--inject-inf-step 99 is beyond --steps 5"),
         (["--resume", "/no/such/run"], "--resume /no/such/run: no such file or directory"),
         ("BAD_CKPT", UNREADABLE),

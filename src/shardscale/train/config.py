@@ -315,6 +315,12 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
                 f"--nproc {cfg.nproc} needs one GPU per process, but only "
                 f"{torch.cuda.device_count()} are visible; lower --nproc."
             )
+    if cfg.parallel == "ddp" and cfg.reduce_dtype == "bf16" and cfg.device == "cpu":
+        # torch's bf16_compress_hook needs CUDA+NCCL (or XPU+XCCL); gloo on CPU refuses it
+        raise ConfigError(
+            "--parallel ddp --reduce-dtype bf16 needs CUDA/NCCL (torch's bf16 compress hook); "
+            "on the CPU use --reduce-dtype fp32 or fp16, or --parallel fsdp2."
+        )
     if cfg.batch_size % world:
         raise ConfigError(
             f"--batch-size {cfg.batch_size} does not split evenly over {world} ranks; "
