@@ -454,3 +454,19 @@ def test_resume_with_other_steps_warns_in_one_line(
     ]
     cli._prepare(config.parse([*MAIN, "--resume", ckpt, "--out", str(tmp_path)]))
     assert capsys.readouterr().err == ""  # same settings: the same run, continued
+
+
+def test_a_new_history_moves_later_checkpoints_aside(tmp_path: Path) -> None:
+    """Starting (or resuming) at step k in a run directory with a previous history's later
+    checkpoints moves them aside, so `--resume <dir>` continues the new history, not the old."""
+    ckdir = tmp_path / "checkpoints"
+    ckdir.mkdir()
+    for step in (10, 20, 30):
+        (ckdir / f"step-{step:06d}.pt").write_bytes(b"x")
+    assert checkpoint.resolve(tmp_path).name == "step-000030.pt"
+    moved = checkpoint.supersede_after(tmp_path, 10)
+    assert moved is not None and moved[1] == 2
+    assert sorted(f.name for f in moved[0].iterdir()) == ["step-000020.pt", "step-000030.pt"]
+    assert checkpoint.resolve(tmp_path).name == "step-000010.pt"
+    assert checkpoint.supersede_after(tmp_path, 10) is None  # nothing later any more
+    assert checkpoint.supersede_after(tmp_path / "fresh", 0) is None  # no checkpoints folder

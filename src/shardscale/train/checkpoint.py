@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,29 @@ RUN_KEYS = ("steps", "lr", "weight_decay", "batch_size", "seed", "clip_grad_norm
 def path_for(out: str | Path, step: int) -> Path:
     """``<out>/checkpoints/step-NNNNNN.pt``."""
     return Path(out) / "checkpoints" / f"step-{step:06d}.pt"
+
+
+def supersede_after(out: str | Path, step: int) -> tuple[Path, int] | None:
+    """Move the checkpoints of ``out`` past ``step`` into ``checkpoints/superseded-<time>/``.
+
+    A run that starts (or resumes) at ``step`` in a directory holding a previous history's later
+    checkpoints replaces that history: ``metrics.jsonl`` is cut at ``step``, and the checkpoints
+    must be too, or a later ``--resume <out>`` ("the latest") would continue the *old* run.
+    Nothing is deleted. Returns ``(folder, count)``, or None when there was nothing to move.
+    """
+    d = Path(out) / "checkpoints"
+    later = [
+        f
+        for f in (d.glob("step-*.pt") if d.is_dir() else [])
+        if (m := _NAME.search(f.name)) and int(m.group(1)) > step
+    ]
+    if not later:
+        return None
+    dest = d / f"superseded-{time.strftime('%Y%m%d-%H%M%S')}"
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in later:
+        f.rename(dest / f.name)
+    return dest, len(later)
 
 
 def resolve(path: str | Path) -> Path:

@@ -64,6 +64,8 @@ class _Recorder:
         self.pending: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.rows: list[dict[str, Any]] = []
         self.writer = report.MetricsWriter(cfg.out, start) if rank == 0 else None  # type: ignore[arg-type]
+        # the checkpoints of a previous history past `start` go with its metrics rows
+        self.superseded = checkpoint.supersede_after(cfg.out, start) if rank == 0 else None  # type: ignore[arg-type]
 
     def add(
         self, step: int, loss: torch.Tensor, scale: torch.Tensor, skipped: torch.Tensor
@@ -220,6 +222,9 @@ def train(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> dict
         "scaler_state_restored": scaler_loaded,
         "scaler_state_note": scaler_note,
         "run_changes": changes,
+        "superseded": None
+        if rec.superseded is None
+        else {"folder": str(rec.superseded[0]), "checkpoints": rec.superseded[1]},
         "test_loss": test_loss,
         "test_accuracy": accuracy,
         "perplexity": math.exp(min(test_loss, 700.0)) if dataset.task == "text" else None,

@@ -151,6 +151,15 @@ def table(summary: dict[str, Any]) -> str:
                     "; ".join(s["run_changes"]) + ": not the checkpoint's run continued",
                 )
             )
+    if s.get("superseded"):
+        sup = s["superseded"]
+        rows.append(
+            (
+                "superseded",
+                f"{sup['checkpoints']} later checkpoint(s) of a previous run here moved to "
+                f"{sup['folder']}",
+            )
+        )
     rows += [
         ("skipped steps", skips + ")"),
         ("final scale", scale_txt),
