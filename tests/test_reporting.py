@@ -573,3 +573,33 @@ def test_update_with_new_scale_still_counts_the_iteration():
     assert ours.get_scale() == theirs.get_scale() == 4096.0
     for a, b in zip(m.parameters(), ref.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_report_names_follow_deepcopy_and_are_dropped_by_pickle():
+    import copy
+    import pickle
+
+    def report_names(model, opt, scaler):
+        scaler.scale((model(torch.ones(1, 3)) * INF).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        names = scaler.overflow_report().names
+        opt.zero_grad()
+        return names
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ShardedGradScaler("cpu", param_names=model)
+    # copied together: the copy names the copied model's parameters
+    model2, opt2, scaler2 = copy.deepcopy((model, opt, scaler))
+    assert report_names(model2, opt2, scaler2) == ["bias", "weight"]
+    # copied alone: it still names the original model's parameters
+    assert report_names(model, opt, copy.deepcopy(scaler)) == ["bias", "weight"]
+    # pickled: ids mean nothing in another process; names dropped until set_param_names
+    clone = pickle.loads(pickle.dumps(scaler))
+    assert report_names(model, opt, clone) == [
+        "<param 0 of optimizer 0>",
+        "<param 1 of optimizer 0>",
+    ]
+    clone.set_param_names(model)
+    assert report_names(model, opt, clone) == ["bias", "weight"]

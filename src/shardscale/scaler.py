@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import numbers
@@ -643,7 +644,9 @@ class ShardedGradScaler:
         """Name parameters in overflow reports, from a module or a ``{name: parameter}`` map.
 
         With FSDP1 (``use_orig_params=False``) the optimizer sees flat parameters, named after
-        the ``_flat_param`` attributes.
+        the ``_flat_param`` attributes. Names are kept by parameter identity: ``copy.deepcopy``
+        of the scaler together with its model follows the copied parameters; pickling (e.g.
+        ``torch.save(scaler)``) drops them, so call this again after loading.
         """
         self._names = _report_names(source)
 
@@ -835,10 +838,26 @@ class ShardedGradScaler:
         state["_pre_unscaled"] = {}
         if not isinstance(state.get("process_group"), (type(None),)):
             state["process_group"] = None  # process groups cannot be pickled
+        # report names are keyed by id(parameter): meaningless in another process, and a stale
+        # id could name an unrelated tensor there. Pickling drops them (set_param_names again
+        # after loading); copy.deepcopy keeps them, remapped (see __deepcopy__).
+        state["_names"] = {}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ShardedGradScaler:
+        """A deep copy (at an iteration boundary, as pickling). Report names follow the
+        parameters: copied together with the model (``copy.deepcopy((model, opt, scaler))``),
+        the copy names the copied parameters; copied alone, it names the same ones as this."""
+        state = self.__getstate__()
+        names = {id(memo[k]) if k in memo else k: v for k, v in self._names.items()}
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(state, memo))
+        new._names = names
+        return new
 
     # ---------------------------------------------------------------- helpers
     def _require_stage(self, method: str, optimizer: torch.optim.Optimizer) -> _PerOptimizer:
