@@ -755,3 +755,77 @@ def test_device_branch_takes_an_unfoldable_clip_as_an_overflow(fused, log2_scale
             assert gs_d.item() == 2.0**122 and torch.equal(g_d, torch.full((100,), 10.0 * scale))
         else:
             assert gs_d is None and torch.equal(g_d, torch.full((100,), 10.0))  # only unscaled
+
+
+def _tp_submesh(rank: int, world_size: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    m = parallelize_module(m, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    out = []
+    for group in (None, mesh["tp"].get_group()):
+        s = ShardedGradScaler("cpu", init_scale=16.0, process_group=group)
+        opt.zero_grad()
+        s.scale(m(torch.ones(5, 4)).pow(2).sum()).backward()
+        try:
+            norm = s.clip_grad_norm_(opt, 1e9).item()
+        except NotImplementedError as e:
+            out.append(str(e))
+            continue
+        full = [p.grad.full_tensor() for p in m.parameters()]
+        out.append((norm, torch.linalg.vector_norm(torch.cat([g.view(-1) for g in full])).item()))
+    return out
+
+
+@pytest.mark.dist
+def test_dtensor_on_a_sub_mesh_of_other_ranks_is_refused(tmp_path):
+    """Tensor parallelism on the 'tp' sub-mesh while the scaler reduces over the world: the
+    shards would be counted once per data-parallel replica; refused instead of a wrong norm.
+    With the sub-mesh's own group the norm is the full gradients' norm."""
+    for refused, (norm, full) in run_ranks(_tp_submesh, tmp_path):
+        assert "mesh of other ranks" in refused
+        assert norm == pytest.approx(full, rel=1e-6)
+
+
+def test_refused_clip_leaves_no_iteration_behind():
+    p = torch.nn.Parameter(torch.ones(3))
+    q = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p, q], lr=0.1)
+    s = ShardedGradScaler("cpu")
+    s.scale((p + q).sum()).backward()
+    s.clip_grad_norm_([p], 1.0)
+    with pytest.raises(RuntimeError, match="after clip_grad_norm_\\(params\\)"):
+        s.clip_grad_norm_(opt, 1.0)
+    assert not s._per_optimizer  # no half-started iteration for opt
+    assert s.overflow_report() is None
+    s.step(opt)
+    s.update()
+    assert s.metrics()["steps"] == 1
+
+
+@pytest.mark.parametrize("how", ["unscale_", "clip_optimizer"])
+def test_parameter_listed_twice_in_an_optimizer_is_unscaled_once(how):
+    """torch only warns about a tied weight listed twice in an optimizer, and its unscale_
+    divides it by scale**2; here it is one gradient: unscaled once, counted once in the norm."""
+    emb = torch.nn.Embedding(4, 3)
+    head = torch.nn.Linear(3, 4, bias=False)
+    head.weight = emb.weight
+    with pytest.warns(UserWarning, match="duplicate parameters"):
+        opt = torch.optim.SGD(list(emb.parameters()) + list(head.parameters()), lr=0.1)
+    s = ShardedGradScaler("cpu", init_scale=8.0)
+    s.scale(head(emb(torch.tensor([0, 1]))).pow(2).sum()).backward()
+    true = emb.weight.grad.clone() / 8.0
+    if how == "unscale_":
+        s.unscale_(opt)
+    else:
+        norm = s.clip_grad_norm_(opt, 1e9)
+        torch.testing.assert_close(norm, true.norm(), rtol=1e-6, atol=0)
+    assert torch.equal(emb.weight.grad, true)

@@ -246,6 +246,8 @@ UNREADABLE = (
         (["--text", "/no/such/file.txt"], "--text /no/such/file.txt: no such file"),
         (["--parallel", "none", "--nproc", "2"], "--parallel none trains one process"),
         (["--batch-size", "33"], "--batch-size 33 does not split evenly over 2 ranks"),
+        (["--weight-decay", "nan"], "--weight-decay must be a finite number >= 0, got nan"),
+        (["--weight-decay", "inf"], "--weight-decay must be a finite number >= 0, got inf"),
         (
             ["--parallel", "ddp", "--reduce-dtype", "bf16", "--device", "cpu"],
             "--parallel ddp --reduce-dtype bf16 needs CUDA/NCCL",

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from ._config import INT32_MAX, INT64_MAX, ScalerConfig, check_scale
+from ._config import INT32_MAX, INT64_MAX, ScalerConfig, _check_real, check_scale
 from ._policy import COUNTER_NAMES
 
 #: The keys of ``torch.amp.GradScaler.state_dict()``, required in every loaded state.
@@ -79,9 +80,22 @@ def parse_state_dict(state_dict: object, current: ScalerConfig) -> LoadedState:
         raise ValueError(f"state_dict is missing the keys {missing}; pass a scaler state_dict().")
     fields = {k: state_dict[k] for k in CONFIG_KEYS if k in state_dict}
     config = dataclasses.replace(current, **fields)  # validates every field
-    scale = check_scale(
-        "state_dict['scale']", state_dict["scale"], config.min_scale, config.max_scale
-    )
+    raw_scale = state_dict["scale"]
+    if "max_scale" not in state_dict and "min_scale" not in state_dict:
+        # torch's GradScaler has no bounds: with a growth factor that is not a power of 2 its
+        # scale can pass 2**127, and it can back off below 2**-126. Such a state is valid for
+        # torch: load it with the scale clamped into this scaler's bounds, and say so.
+        value = _check_real("state_dict['scale']", raw_scale)
+        if value > 0 and not config.min_scale <= value <= config.max_scale:
+            clamped = min(max(value, config.min_scale), config.max_scale)
+            warnings.warn(
+                f"state_dict['scale']={value} (a torch.amp.GradScaler state) lies outside "
+                f"[min_scale, max_scale] = [{config.min_scale}, {config.max_scale}]; loaded "
+                f"as {clamped}.",
+                stacklevel=3,
+            )
+            raw_scale = clamped
+    scale = check_scale("state_dict['scale']", raw_scale, config.min_scale, config.max_scale)
     tracker = _nonneg_int("_growth_tracker", state_dict["_growth_tracker"], INT32_MAX)
     hyst = _nonneg_int(
         "_hysteresis_tracker", state_dict.get("_hysteresis_tracker", config.hysteresis), INT32_MAX

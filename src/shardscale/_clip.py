@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from . import _sync
 from ._grads import grad_values, iter_params, plain_grad
@@ -139,7 +140,7 @@ def clip_grad_norm_(
     if params is not None:
         return _clip_params(scaler, params, max_norm_f, p, group)
     if not scaler.is_enabled():
-        buckets = _bucket(iter_params(optimizer), scaler.rank_local_params)
+        buckets = _bucket(iter_params(optimizer), scaler.rank_local_params, group)
         home = _first_device(buckets)
         total, _ = _global_norm(buckets, p, None, home, group)
         coef = _clip_coef(total, max_norm_f)
@@ -148,7 +149,13 @@ def clip_grad_norm_(
         return total
 
     # validates the gradients before any change
-    buckets = _bucket(iter_params(optimizer), scaler.rank_local_params)
+    buckets = _bucket(iter_params(optimizer), scaler.rank_local_params, group)
+    if scaler._pre_unscaled and any(id(q) in scaler._pre_unscaled for q in iter_params(optimizer)):
+        raise RuntimeError(
+            "clip_grad_norm_(optimizer) was called after clip_grad_norm_(params) on some of its "
+            "parameters in this iteration; clip either the optimizer or parameter lists, once "
+            "per parameter per iteration."
+        )
     st = scaler._require_stage("clip_grad_norm_", optimizer)
     if st.stage is OptState.UNSCALED:
         raise RuntimeError(
@@ -163,17 +170,16 @@ def clip_grad_norm_(
             "scaler.scale(loss).backward() -> scaler.clip_grad_norm_(opt, max_norm) -> "
             "scaler.step(opt) -> scaler.update()."
         )
-    if scaler._pre_unscaled and any(id(q) in scaler._pre_unscaled for q in iter_params(optimizer)):
-        raise RuntimeError(
-            "clip_grad_norm_(optimizer) was called after clip_grad_norm_(params) on some of its "
-            "parameters in this iteration; clip either the optimizer or parameter lists, once "
-            "per parameter per iteration."
-        )
     assert scaler._state is not None
     scale = scaler._state.scale
     home = scale.device
     inv_scale = scaler._inv_scale()
-    total, found_inf = _global_norm(buckets, p, inv_scale, home, group)
+    try:
+        total, found_inf = _global_norm(buckets, p, inv_scale, home, group)
+    except BaseException:
+        if st.stage is OptState.READY and st.found_inf is None:  # no half-started iteration
+            scaler._per_optimizer.pop(id(optimizer), None)
+        raise
     coef = _clip_coef(total, max_norm_f)
     fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
     st.grad_scale, found_inf = _unscale_and_clip(buckets, scale, inv_scale, coef, found_inf, fused)
@@ -213,14 +219,44 @@ def _check_norm_type(norm_type: object) -> float:
 
 
 # ------------------------------------------------------------------------------ gradients
-def _is_sharded(param: torch.Tensor, grad: torch.Tensor) -> bool:
-    """Whether ``grad``'s local values are a shard (summed over ranks) or a replica (counted once)."""
+def _same_ranks(mesh: Any, group: dist.ProcessGroup | None, seen: dict[int, bool]) -> bool:
+    """Whether the 1-D ``mesh`` spans exactly the ranks of the scaler's ``group`` (memoised)."""
+    if group is None:
+        return True
+    key = id(mesh)
+    if key not in seen:
+        mesh_ranks = sorted(dist.get_process_group_ranks(mesh.get_group()))
+        seen[key] = mesh_ranks == sorted(dist.get_process_group_ranks(group))
+    return seen[key]
+
+
+def _is_sharded(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    seen: dict[int, bool] | None = None,
+) -> bool:
+    """Whether ``grad``'s local values are a shard (summed over ranks) or a replica (counted once).
+
+    Raises:
+        NotImplementedError: a DTensor gradient on a multi-dimensional mesh, or on a mesh whose
+            ranks are not the scaler's group (tensor parallelism on a sub-mesh: summing its
+            shards over the scaler's group would count them once per replica).
+    """
     if DTensor is not None and isinstance(grad, DTensor):
         placements = grad.placements
         if grad.device_mesh.ndim != 1:
             raise NotImplementedError(
                 "clip_grad_norm_() supports DTensor gradients on a 1-D mesh (FSDP2 fully_shard); "
                 f"got a {grad.device_mesh.ndim}-D mesh with placements {placements}."
+            )
+        if not _same_ranks(grad.device_mesh, group, {} if seen is None else seen):
+            raise NotImplementedError(
+                "clip_grad_norm_(): a DTensor gradient lives on a mesh of other ranks than the "
+                "scaler's process group (e.g. tensor parallelism on a sub-mesh of a dp x tp "
+                "mesh): its shards would be counted once per replica. Pass that mesh's group as "
+                "process_group when it covers the whole model, or call scaler.unscale_(opt) and "
+                "compute the norm over the right groups yourself."
             )
         if any(pl.is_partial() for pl in placements):
             raise ValueError(
@@ -276,7 +312,7 @@ def _clip_params(
     from .scaler import OptState
 
     # validates the gradients before any state changes
-    buckets = _bucket(params, scaler.rank_local_params)
+    buckets = _bucket(params, scaler.rank_local_params, group)
     if not scaler.is_enabled():
         total, _ = _global_norm(buckets, p, None, _first_device(buckets), group)
         with torch.no_grad():
@@ -313,12 +349,21 @@ def _clip_params(
     return total
 
 
-def _bucket(params: Iterable[torch.Tensor], rank_local: bool = False) -> _Buckets:
+def _bucket(
+    params: Iterable[torch.Tensor],
+    rank_local: bool = False,
+    group: dist.ProcessGroup | None = None,
+) -> _Buckets:
     """Local dense gradient tensors grouped by (device, dtype, sharded). ``rank_local`` (the
     ranks own different parameters: pipeline stages): every gradient counts as sharded, i.e.
     summed over ranks, none as a replica counted once."""
     buckets: _Buckets = {}
+    seen: dict[int, bool] = {}  # mesh id -> spans the group's ranks
+    taken: set[int] = set()  # a parameter listed twice is one gradient: counted, clipped once
     for param in params:
+        if id(param) in taken:
+            continue
+        taken.add(id(param))
         # FSDP1's FlatParameter is an nn.Parameter by type, marked by an instance attribute
         # _is_flat_param (and use_orig_params views by _fsdp_flattened): read them from
         # __dict__, which is cheaper than a failing getattr on every plain parameter.
@@ -330,7 +375,9 @@ def _bucket(params: Iterable[torch.Tensor], rank_local: bool = False) -> _Bucket
             values = grad_values(param, coalesce_all=True)  # validates (TypeError/ValueError)
             if values is None:
                 continue
-            sharded = _is_sharded(param, param.grad)
+            # rank_local: every gradient is summed over the group by design (pipeline stages,
+            # each maybe FSDP-sharded on a sub-mesh), so a sub-mesh is no ambiguity there
+            sharded = _is_sharded(param, param.grad, None if rank_local else group, seen)
         key = (values.device, values.dtype, sharded or rank_local)
         buckets.setdefault(key, []).append(values)
     return buckets

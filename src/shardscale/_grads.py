@@ -103,7 +103,8 @@ def bucket_grads(optimizer: torch.optim.Optimizer, skip: Container[int] = ()) ->
     """Group the local gradient tensors of ``optimizer`` by device and dtype.
 
     Parameters whose ``id`` is in ``skip`` (already unscaled this iteration by
-    ``clip_grad_norm_(params)``) are left out.
+    ``clip_grad_norm_(params)``) are left out, and a parameter listed twice (a tied weight in
+    two param groups: torch only warns) is taken once, so it is unscaled once.
 
     Returns:
         ``{device: {dtype: [tensor, ...]}}`` of dense tensors (local DTensor shards, values of
@@ -114,10 +115,13 @@ def bucket_grads(optimizer: torch.optim.Optimizer, skip: Container[int] = ()) ->
         TypeError: a parameter is not a tensor, or a gradient is not floating point.
     """
     buckets: Buckets = {}
+    seen: set[int] = set()  # a parameter listed twice (torch only warns) is unscaled once
     for group in optimizer.param_groups:
         for param in group["params"]:
-            if skip and id(param) in skip:
+            key = id(param)
+            if key in seen or (skip and key in skip):
                 continue
+            seen.add(key)
             grad = plain_grad(param)
             values = grad_values(param) if grad is None else grad
             if values is None:

@@ -124,7 +124,9 @@ class ShardedGradScaler:
         process_group: a ``ProcessGroup``, a ``DeviceMesh`` or a list/tuple of them; the found-inf
             flag is reduced over all of them (one all-reduce per group or mesh dimension). ``None``:
             the default group if ``torch.distributed`` is initialized when ``unscale_`` runs,
-            else no communication.
+            else no communication. Ranks that train *independent* models in one job must pass a
+            group of their own (every rank of a group skips together, and ``clip_grad_norm_``
+            counts unsharded gradients once, as replicas, from the group's first rank).
         min_scale, max_scale, hysteresis, consecutive_hysteresis, max_consecutive_skips,
         on_collapse, dynamic: the policy beyond torch's, see :class:`ScalerConfig`.
         report_overflows: if True, ``update()`` reads the agreed overflow flag (one host sync
@@ -140,8 +142,11 @@ class ShardedGradScaler:
             when the ranks own *different* parameters, as pipeline-parallel stages do (one
             scale for the whole pipeline, as Megatron-LM reduces found_inf over its
             model-parallel group): the parameter-count check is off (the step counter is still
-            checked) and plain gradients are summed over ranks in the norm. For pipeline x data
-            parallelism pass the pipeline group as ``process_group``.
+            checked) and every gradient is summed over ranks in the norm. Pipeline x data
+            parallelism: keep the default (world) group so that every rank agrees (with FSDP
+            the data-parallel ranks hold different shards and must agree too); its
+            ``clip_grad_norm_`` is then right when the data-parallel dimension is FSDP (shards)
+            and over-counts with DDP (replicas): there, clip with a norm of your own.
 
     Raises:
         TypeError, ValueError: a bad argument; the message names it.
@@ -661,7 +666,7 @@ class ShardedGradScaler:
         Returns:
             An :class:`OverflowReport`, or None if the last iteration was clean.
         """
-        if self._per_optimizer:
+        if any(st.found_inf is not None for st in self._per_optimizer.values()):
             optimizers = [
                 o
                 for o in (

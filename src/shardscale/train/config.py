@@ -333,8 +333,8 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
             raise ConfigError(f"--hidden {cfg.hidden} must be a multiple of 4 (4 attention heads).")
         check_text_file(cfg.text, cfg.seq_len)
     check_scaler_options(cfg)
-    if cfg.weight_decay < 0:
-        raise ConfigError(f"--weight-decay must be >= 0, got {cfg.weight_decay}.")
+    if not (math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0):
+        raise ConfigError(f"--weight-decay must be a finite number >= 0, got {cfg.weight_decay}.")
     for step in cfg.inject_inf_step:
         if step > cfg.steps:
             raise ConfigError(f"--inject-inf-step {step} is beyond --steps {cfg.steps}.")
