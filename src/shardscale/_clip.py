@@ -70,7 +70,9 @@ def clip_grad_norm_(
     gradients on the CPU get per-tensor norms from torch's own kernel (fp32 accumulation, each
     per-tensor norm rounded to bf16, relative error <= 2**-8, as
     ``torch.nn.utils.clip_grad_norm_``, which also rounds the total to bf16); everything else
-    (CPU fp16/fp32, any dtype on accelerators) is exact to fp32.
+    (CPU fp16/fp32, any dtype on accelerators) is exact to fp32. Norm types whose p-th power
+    sum overflows fp32 (a large ``p`` with gradients above 1) read as an overflow: the step is
+    skipped (torch's recipe returns an inf norm and zeroes the gradients).
 
     Cost: one read pass computing per-tensor norms, **one** all-reduce of 3 floats (none
     without a process group), then one in-place multiply pass by
