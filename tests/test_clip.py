@@ -829,3 +829,82 @@ def test_parameter_listed_twice_in_an_optimizer_is_unscaled_once(how):
         norm = s.clip_grad_norm_(opt, 1e9)
         torch.testing.assert_close(norm, true.norm(), rtol=1e-6, atol=0)
     assert torch.equal(emb.weight.grad, true)
+
+
+@pytest.mark.parametrize("host", [True, False])
+@pytest.mark.parametrize("fused", [False, True])
+def test_max_norm_zero_zeroes_gradients_without_an_overflow(host, fused):
+    """max_norm=0: the clip coefficient is 0, so scale/coef is inf; that is no overflow (both
+    branches): a factor of 0, or a fused grad_scale of inf (finite gradients / inf = 0)."""
+    from shardscale._clip import _unscale_and_clip
+
+    scale = torch.tensor(2.0**16)
+    g = torch.full((10,), 3.0) * scale
+    buckets = {(torch.device("cpu"), torch.float32, False): [g]}
+    inv = scale.double().reciprocal().float()
+    gs, flag = _unscale_and_clip(
+        buckets, scale, inv, torch.tensor(0.0), torch.zeros(()), fused, host
+    )
+    assert flag.item() == 0.0
+    if fused and not host:
+        assert math.isinf(gs.item())  # the kernel divides by it: zero gradients
+    else:
+        assert (gs is None or math.isinf(gs.item())) and (fused or torch.equal(g, torch.zeros(10)))
+
+
+@pytest.mark.parametrize("opt_name", ["adamw", "sgd"])
+def test_max_norm_zero_with_a_fused_optimizer_matches_torch_recipe(opt_name):
+    params = []
+    for ours in (True, False):
+        torch.manual_seed(0)
+        m = torch.nn.Linear(4, 2)
+        if opt_name == "adamw":
+            opt = torch.optim.AdamW(m.parameters(), lr=0.1, fused=True)
+        else:
+            opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, fused=True)
+        s = (ShardedGradScaler if ours else torch.amp.GradScaler)("cpu", init_scale=1024.0)
+        for _ in range(3):
+            opt.zero_grad()
+            s.scale(m(torch.ones(3, 4)).pow(2).sum()).backward()
+            if ours:
+                s.clip_grad_norm_(opt, 0.0)
+            else:
+                s.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 0.0)
+            s.step(opt)
+            s.update()
+        assert s.get_scale() == 1024.0
+        params.append([p.detach().clone() for p in m.parameters()])
+    for a, b in zip(*params, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_cpu_global_norm_sqrt_is_the_tensor_sqrt():
+    """torch's CPU float32 sqrt is not always correctly rounded; the CPU path takes the root
+    with the same tensor op as the device path (this pair differed by an ulp with math.sqrt)."""
+    buckets = {
+        (torch.device("cpu"), torch.float32, False): [
+            torch.tensor([0.7343452572822571]),
+            torch.tensor([1.1143685579299927]),
+        ]
+    }
+    (tf, ff), (ts, fs) = _both_paths(buckets, 2.0, None)
+    assert torch.equal(tf, ts) and torch.equal(ff, fs)
+
+
+@pytest.mark.parametrize("step_a", [False, True])
+def test_params_clip_overflow_counts_even_if_its_optimizer_does_not_step(step_a):
+    """clip_grad_norm_(params of A) overflows, only B steps: the overflow still backs off the
+    scale (torch counts unscale_(A) without step(A) the same way); if A steps too, once."""
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    opt_a, opt_b = torch.optim.SGD([a], lr=0.1), torch.optim.SGD([b], lr=0.1)
+    s = ShardedGradScaler("cpu", init_scale=1024.0)
+    s.scale((a + b).sum()).backward()
+    a.grad[0] = math.inf
+    s.clip_grad_norm_([a], 1.0)
+    if step_a:
+        s.step(opt_a)
+    s.step(opt_b)
+    s.update()
+    assert s.get_scale() == 512.0
+    assert s.metrics()["overflows"] == 1  # counted once, whether A stepped or not

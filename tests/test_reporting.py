@@ -603,3 +603,41 @@ def test_report_names_follow_deepcopy_and_are_dropped_by_pickle():
     ]
     clone.set_param_names(model)
     assert report_names(model, opt, clone) == ["bias", "weight"]
+
+
+def test_shallow_copy_keeps_names_and_old_pickles_load():
+    import copy
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ShardedGradScaler("cpu", param_names=model)
+    shallow = copy.copy(scaler)
+    shallow.scale((model(torch.ones(1, 3)) * INF).sum()).backward()
+    shallow.step(opt)
+    shallow.update()
+    assert shallow.overflow_report().names == ["bias", "weight"]
+    # a scaler pickled by an older version: no rank_local_params, names as {id: name}
+    state = scaler.__getstate__()
+    del state["rank_local_params"]
+    state["_names"] = {id(model.weight): "weight"}
+    old = ShardedGradScaler.__new__(ShardedGradScaler)
+    old.__setstate__(state)
+    assert old.rank_local_params is False and len(old._names) == 0
+    opt.zero_grad()
+    old.scale(model(torch.ones(1, 3)).sum()).backward()
+    old.clip_grad_norm_(opt, 1.0)
+    old.step(opt)
+    old.update()
+
+
+def test_param_names_never_name_another_tensor():
+    from shardscale._report import ParamNames
+
+    p, q = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    names = ParamNames([("p", p)])
+    assert names.get(p, "?") == "p" and names.get(q, "?") == "?"
+    copied = copy_of = torch.nn.Parameter(torch.ones(2))
+    remapped = names.remapped({id(p): copied})
+    assert remapped.get(copy_of, "?") == "p" and remapped.get(p, "?") == "?"
+    del p
+    assert len(names.remapped({})) == 0  # a dead parameter's entry is gone

@@ -811,3 +811,15 @@ def test_state_dict_at_a_bound_float32_cannot_hold_loads_back(kw, poison):
     for target in (s, ShardedGradScaler("cpu", **kw)):
         target.load_state_dict(loaded)
         assert target.state_dict()["scale"] == sd["scale"]
+
+
+def test_to_device_blocks_only_when_copying_to_the_cpu():
+    from shardscale._sync import to_device
+
+    class Recorder:
+        def to(self, **kw):
+            return kw
+
+    assert to_device(Recorder(), "cpu")["non_blocking"] is False
+    assert to_device(Recorder(), torch.device("cuda", 0))["non_blocking"] is True
+    assert to_device(Recorder(), "cuda", torch.float32)["dtype"] is torch.float32

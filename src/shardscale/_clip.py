@@ -111,8 +111,9 @@ def clip_grad_norm_(
             ``step`` for this optimizer in the same iteration (the order is
             ``scale -> backward -> clip_grad_norm_ -> step -> update``).
         NotImplementedError: the scaler reduces over several process groups / a multi-dimensional
-            mesh, or a DTensor gradient lives on a multi-dimensional mesh (FSDP2 HSDP): which
-            gradients are replicated along which dimension is ambiguous there. Use
+            mesh, or a DTensor gradient lives on a multi-dimensional mesh (FSDP2 HSDP) or on a
+            mesh of other ranks than the scaler's group (tensor parallelism on a sub-mesh):
+            which gradients are replicated along which dimension is ambiguous there. Use
             ``unscale_`` + a norm of your own in that case.
 
     .. warning:: Two FSDP1 set-ups cannot be told apart from the tensors and give a wrong norm:
@@ -425,7 +426,9 @@ def _unscale_and_clip(
     """
     overflow = found_inf > 0
     folded = torch.where(overflow, scale, scale / coef).float()
-    too_big = ~(folded < _FOLD_LIMIT)  # also inf / NaN
+    # also inf; but coef == 0 (max_norm=0) is fine: the gradients are zeroed exactly (a factor
+    # of 0, or a fused grad_scale of inf, which divides finite gradients to 0)
+    too_big = ~(folded < _FOLD_LIMIT) & (coef != 0)
     if host_reads is None:
         host_reads = scale.device.type == "cpu"
     with torch.no_grad():
@@ -452,7 +455,7 @@ def _mul_all(buckets: _Buckets, factor: torch.Tensor) -> None:
     for (device, _, _), grads in buckets.items():
         f = per_device.get(device)
         if f is None:
-            f = per_device[device] = factor.to(device, non_blocking=True)
+            f = per_device[device] = _sync.to_device(factor, device)
         torch._foreach_mul_(grads, f)
 
 

@@ -9,6 +9,8 @@ from collections.abc import Container, Iterator
 
 import torch
 
+from ._sync import to_device
+
 try:  # DTensor is public from torch 2.5 on; keep the import soft for other builds.
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover - torch built without distributed
@@ -161,7 +163,7 @@ def unscale_and_check(
             if inv_scale is None:
                 inv = torch.ones((), dtype=torch.float32, device=device)
             else:
-                inv = inv_scale.to(device=device, non_blocking=True)
+                inv = to_device(inv_scale, device)
             for grads in per_dtype.values():
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv)
             flags[device] = flag

@@ -172,7 +172,7 @@ def _global_norm_device(
     }
     for (_, dtype, sharded), grads in buckets.items():
         piece = _local_piece(grads, p, inv_scale, _acc_dtype(dtype))
-        piece = piece.to(device=home, dtype=torch.float32, non_blocking=True)
+        piece = _sync.to_device(piece, home, torch.float32)
         parts[sharded] = torch.maximum(parts[sharded], piece) if is_inf else parts[sharded] + piece
     sharded_part, replicated_part = parts[True], parts[False]
     local = (
@@ -235,10 +235,11 @@ def _global_norm_cpu(
         packed = reduced.tolist()
     if is_inf:
         total = _max(packed[0], packed[1])
-    elif p == 2.0:
-        total = _f32(math.sqrt(_f32(packed[0] + packed[1])))  # sqrt is correctly rounded
     else:
-        total = torch.tensor(_f32(packed[0] + packed[1])).pow(1.0 / p).item()
+        # the root as a float32 tensor op, as the device path: torch's CPU float32 sqrt is not
+        # always correctly rounded, so math.sqrt could differ by an ulp
+        root = torch.tensor(_f32(packed[0] + packed[1]), dtype=torch.float32)
+        total = (root.sqrt() if p == 2.0 else root.pow(1.0 / p)).item()
     flagged = packed[2] > 0
     if flagged and math.isfinite(total):
         total = math.inf  # see _global_norm_device

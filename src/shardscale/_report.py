@@ -6,7 +6,9 @@ The scan costs one pass over the gradients and is only run on steps that overflo
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -95,10 +97,44 @@ class OverflowReport:
         return "\n".join(lines)
 
 
-def param_names(source: torch.nn.Module | Mapping[str, torch.Tensor] | None) -> dict[int, str]:
-    """``{id(param): name}`` from a module's ``named_parameters()`` or a ``{name: param}`` map."""
+class ParamNames:
+    """Names of parameters for reports, held by identity with weak references.
+
+    A name is found only for the very tensor it was given for: a dead parameter's id, reused by
+    another tensor, never names it. :meth:`remapped` follows a ``copy.deepcopy``.
+    """
+
+    def __init__(self, pairs: Iterable[tuple[str, torch.Tensor]] = ()) -> None:
+        self._by_id: dict[int, tuple[str, weakref.ref]] = {
+            id(p): (name, weakref.ref(p)) for name, p in pairs
+        }
+
+    def get(self, param: torch.Tensor, default: str) -> str:
+        """``param``'s name, or ``default`` when it has none."""
+        hit = self._by_id.get(id(param))
+        return hit[0] if hit is not None and hit[1]() is param else default
+
+    def remapped(self, memo: Mapping[int, Any]) -> ParamNames:
+        """For a ``copy.deepcopy``: parameters already copied (in ``memo``) are named in their
+        copies; the others keep their names (they were not copied: the copy shares them)."""
+        new = ParamNames()
+        for key, (name, ref) in self._by_id.items():
+            param = ref()
+            if param is None:
+                continue
+            copied = memo.get(key)
+            target = copied if isinstance(copied, torch.Tensor) else param
+            new._by_id[id(target)] = (name, weakref.ref(target))
+        return new
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+
+def param_names(source: torch.nn.Module | Mapping[str, torch.Tensor] | None) -> ParamNames:
+    """:class:`ParamNames` from a module's ``named_parameters()`` or a ``{name: param}`` map."""
     if source is None:
-        return {}
+        return ParamNames()
     if isinstance(source, torch.nn.Module):
         items: Iterable[tuple[str, torch.Tensor]] = source.named_parameters(remove_duplicate=False)
     elif isinstance(source, Mapping):
@@ -114,11 +150,11 @@ def param_names(source: torch.nn.Module | Mapping[str, torch.Tensor] | None) -> 
             f"param names must come from an nn.Module or a {{name: parameter}} mapping, got "
             f"{type(source).__name__}."
         )
-    return {id(p): name for name, p in items}
+    return ParamNames(items)
 
 
 def scan_local(
-    optimizers: Iterable[torch.optim.Optimizer], names: Mapping[int, str], rank: int
+    optimizers: Iterable[torch.optim.Optimizer], names: ParamNames, rank: int
 ) -> list[OverflowEntry]:
     """Count inf/NaN in every local gradient shard of ``optimizers`` (no collective).
 
@@ -138,7 +174,7 @@ def scan_local(
                         [torch.isnan(g).sum(), torch.isinf(g).sum()]
                     ).tolist()
                 if n_nan or n_inf:
-                    name = names.get(id(p), f"<param {i - 1} of optimizer {j}>")
+                    name = names.get(p, f"<param {i - 1} of optimizer {j}>")
                     entries.append(
                         OverflowEntry(
                             name, rank, n_inf, n_nan, g.numel(), str(g.dtype), str(g.device)

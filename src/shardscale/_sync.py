@@ -136,6 +136,17 @@ def all_reduce(
     return tensor
 
 
+def to_device(
+    tensor: torch.Tensor, device: torch.device | str, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """``tensor`` on ``device`` (and ``dtype``): asynchronous where that is safe, blocking when
+    copying to the CPU, since a ``non_blocking`` device-to-host copy lands in pinned memory
+    later and the CPU code that follows would read it at once (CPU-offloaded gradients with
+    the scale on an accelerator)."""
+    device = torch.device(device)
+    return tensor.to(device=device, dtype=dtype, non_blocking=device.type != "cpu")
+
+
 def rank() -> int:
     """This process's global rank (0 without an initialized torch.distributed)."""
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

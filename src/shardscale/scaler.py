@@ -27,6 +27,7 @@ from ._grads import bucket_grads, iter_params, unscale_and_check
 from ._policy import COUNTER_NAMES, ScaleState, count_step, step_in_place
 from ._report import (
     OverflowReport,
+    ParamNames,
     collapse_error,
     gather_entries,
     param_names,
@@ -272,14 +273,14 @@ class ShardedGradScaler:
         assert self._state is not None
         scale = self._state.scale
         if isinstance(outputs, torch.Tensor):
-            return outputs * scale.to(device=outputs.device, non_blocking=True)
+            return outputs * _sync.to_device(scale, outputs.device)
         per_device: dict[torch.device, torch.Tensor] = {}
 
         def apply(val: Any) -> Any:
             if isinstance(val, torch.Tensor):
                 s = per_device.get(val.device)
                 if s is None:
-                    s = per_device[val.device] = scale.to(device=val.device, non_blocking=True)
+                    s = per_device[val.device] = _sync.to_device(scale, val.device)
                 return val * s
             items = [apply(v) for v in val]
             return type(val)(*items) if hasattr(val, "_fields") else type(val)(items)
@@ -452,8 +453,10 @@ class ShardedGradScaler:
         ``overflow_report()``), and the collapse guard does not run (the caller chose the scale).
 
         Raises:
-            RuntimeError: no :meth:`step`/:meth:`unscale_` since the last update (nothing to
-                update from), or called before :meth:`scale`.
+            RuntimeError: no :meth:`step`/:meth:`unscale_`/``clip_grad_norm_`` since the last
+                update (nothing to update from), or called before :meth:`scale`. (Flags of
+                parameters clipped with ``clip_grad_norm_(params)`` count as inf checks of the
+                iteration, as torch counts ``unscale_`` without ``step``.)
             TypeError, ValueError: a bad ``new_scale`` (not a finite value in the bounds).
             ScaleCollapseError: the scale collapsed and ``on_collapse="raise"`` (the update has
                 been applied and the scaler is ready for the next iteration).
@@ -468,8 +471,12 @@ class ShardedGradScaler:
         # or, when only clip_grad_norm_(params) ran, those parameters' agreed flags (as torch's
         # update() after unscale_() without step(): the checks made are what counts)
         flags = [st.found_inf for st in stepped if st.found_inf is not None]
-        if not flags:
-            flags = list({id(f): f for f in self._pre_unscaled.values()}.values())
+        if self._pre_unscaled:
+            # clip_grad_norm_(params) flags of parameters no stepped optimizer covers (a stepped
+            # optimizer's own flag already includes its clipped parameters')
+            covered = {id(p) for st in stepped if st.optimizer for p in _params_of(st.optimizer())}
+            extra = {id(f): f for k, f in self._pre_unscaled.items() if k not in covered}
+            flags += list(extra.values())
         if not flags and value is None:
             raise RuntimeError(
                 "update() was called but no optimizer was stepped or unscaled since the last "
@@ -843,25 +850,35 @@ class ShardedGradScaler:
         state["_pre_unscaled"] = {}
         if not isinstance(state.get("process_group"), (type(None),)):
             state["process_group"] = None  # process groups cannot be pickled
-        # report names are keyed by id(parameter): meaningless in another process, and a stale
-        # id could name an unrelated tensor there. Pickling drops them (set_param_names again
-        # after loading); copy.deepcopy keeps them, remapped (see __deepcopy__).
-        state["_names"] = {}
+        # report names refer to this process's parameters (weakly): pickling drops them (call
+        # set_param_names after loading); __copy__/__deepcopy__ keep or remap them
+        state["_names"] = ParamNames()
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        # attributes added after a scaler may have been pickled get their defaults
+        self.__dict__.update({"rank_local_params": False, "_names": ParamNames()})
         self.__dict__.update(state)
+        if not isinstance(self._names, ParamNames):  # an older pickle: {id: name}, meaningless
+            self._names = ParamNames()
+
+    def __copy__(self) -> ShardedGradScaler:
+        """A copy (at an iteration boundary, as pickling) naming the same parameters."""
+        new = type(self).__new__(type(self))
+        new.__setstate__(self.__getstate__())
+        new._names = self._names
+        return new
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ShardedGradScaler:
         """A deep copy (at an iteration boundary, as pickling). Report names follow the
-        parameters: copied together with the model (``copy.deepcopy((model, opt, scaler))``),
-        the copy names the copied parameters; copied alone, it names the same ones as this."""
+        parameters copied *before* the scaler in the same ``deepcopy`` call (e.g.
+        ``copy.deepcopy((model, opt, scaler))``); others keep naming the originals (copied
+        alone, the copy serves the same model). Otherwise call :meth:`set_param_names`."""
         state = self.__getstate__()
-        names = {id(memo[k]) if k in memo else k: v for k, v in self._names.items()}
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         new.__setstate__(copy.deepcopy(state, memo))
-        new._names = names
+        new._names = self._names.remapped(memo)
         return new
 
     # ---------------------------------------------------------------- helpers
@@ -880,7 +897,11 @@ class ShardedGradScaler:
         return st
 
 
-def _report_names(source: torch.nn.Module | Mapping[str, torch.Tensor] | None) -> dict[int, str]:
+def _params_of(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    return [] if optimizer is None else list(iter_params(optimizer))
+
+
+def _report_names(source: torch.nn.Module | Mapping[str, torch.Tensor] | None) -> ParamNames:
     return param_names(source)
 
 
@@ -890,7 +911,7 @@ def _combine_flags(flags: dict[torch.device, torch.Tensor], home: torch.device) 
         return flags[home]  # the common case: one device, the scale's
     local = torch.zeros((), dtype=torch.float32, device=home)
     for flag in flags.values():
-        local = torch.maximum(local, flag.to(home, non_blocking=True))
+        local = torch.maximum(local, _sync.to_device(flag, home))
     return local
 
 

@@ -63,8 +63,11 @@ def supersede_after(out: str | Path, step: int) -> tuple[Path, int] | None:
     ]
     if not later:
         return None
-    dest = d / f"superseded-{time.strftime('%Y%m%d-%H%M%S')}"
-    dest.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    dest, n = d / f"superseded-{stamp}", 1
+    while dest.exists():  # two new histories in one second: never overwrite the first's files
+        dest, n = d / f"superseded-{stamp}-{n}", n + 1
+    dest.mkdir(parents=True)
     for f in later:
         f.rename(dest / f.name)
     return dest, len(later)
