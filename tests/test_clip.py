@@ -892,19 +892,34 @@ def test_cpu_global_norm_sqrt_is_the_tensor_sqrt():
     assert torch.equal(tf, ts) and torch.equal(ff, fs)
 
 
-@pytest.mark.parametrize("step_a", [False, True])
-def test_params_clip_overflow_counts_even_if_its_optimizer_does_not_step(step_a):
-    """clip_grad_norm_(params of A) overflows, only B steps: the overflow still backs off the
-    scale (torch counts unscale_(A) without step(A) the same way); if A steps too, once."""
-    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
-    opt_a, opt_b = torch.optim.SGD([a], lr=0.1), torch.optim.SGD([b], lr=0.1)
+def test_params_clip_flags_count_once_through_the_stepped_optimizer():
+    """clip_grad_norm_(params) flags count through the optimizer that owns the parameters:
+    once (a frozen backbone in the clip list adds nothing), and a parameter of no optimizer
+    that overflows does not mark the stepped optimizer's iteration as skipped."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    for p in model[0].parameters():
+        p.requires_grad_(False)  # frozen backbone, still in the clip list
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     s = ShardedGradScaler("cpu", init_scale=1024.0)
-    s.scale((a + b).sum()).backward()
-    a.grad[0] = math.inf
-    s.clip_grad_norm_([a], 1.0)
-    if step_a:
-        s.step(opt_a)
-    s.step(opt_b)
+    s.scale(model(torch.ones(3, 4)).sum() * math.inf).backward()
+    s.clip_grad_norm_(model.parameters(), 1.0)
+    s.step(opt)
     s.update()
-    assert s.get_scale() == 512.0
-    assert s.metrics()["overflows"] == 1  # counted once, whether A stepped or not
+    m = s.metrics()
+    assert (m["overflows"], m["skipped_steps"], s.get_scale()) == (1, 1, 512.0)
+
+    a, aux = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
+    opt_a = torch.optim.SGD([a], lr=0.1)
+    s = ShardedGradScaler("cpu", init_scale=1024.0, max_consecutive_skips=2)
+    for _ in range(3):
+        opt_a.zero_grad()
+        aux.grad = None
+        s.scale(a.sum() + aux.sum()).backward()
+        aux.grad.fill_(math.inf)  # a parameter no optimizer holds
+        s.clip_grad_norm_([a], 1.0)
+        s.clip_grad_norm_([aux], 1.0)
+        before = a.detach().clone()
+        s.step(opt_a)
+        s.update()
+        assert not torch.equal(before, a) and not bool(s.last_step_skipped())
+    assert s.metrics()["skipped_steps"] == 0 and s.get_scale() == 1024.0

@@ -618,7 +618,8 @@ def test_shallow_copy_keeps_names_and_old_pickles_load():
     assert shallow.overflow_report().names == ["bias", "weight"]
     # a scaler pickled by an older version: no rank_local_params, names as {id: name}
     state = scaler.__getstate__()
-    del state["rank_local_params"]
+    for key in ("rank_local_params", "_pre_unscaled", "_pending_collapse", "_skipped"):
+        del state[key]  # attributes older versions did not have
     state["_names"] = {id(model.weight): "weight"}
     old = ShardedGradScaler.__new__(ShardedGradScaler)
     old.__setstate__(state)
@@ -630,14 +631,23 @@ def test_shallow_copy_keeps_names_and_old_pickles_load():
     old.update()
 
 
-def test_param_names_never_name_another_tensor():
+def test_param_names_hold_no_reference_to_the_parameters():
+    """Names are kept by id, with no (weak) reference: torch refuses to swap tensors that
+    have weak references (FSDP2's module.to(), swap-on-conversion), so naming must not."""
     from shardscale._report import ParamNames
 
     p, q = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
     names = ParamNames([("p", p)])
     assert names.get(p, "?") == "p" and names.get(q, "?") == "?"
-    copied = copy_of = torch.nn.Parameter(torch.ones(2))
-    remapped = names.remapped({id(p): copied})
+    copy_of = torch.nn.Parameter(torch.ones(2))
+    remapped = names.remapped({id(p): copy_of})
     assert remapped.get(copy_of, "?") == "p" and remapped.get(p, "?") == "?"
-    del p
-    assert len(names.remapped({})) == 0  # a dead parameter's entry is gone
+    model = torch.nn.Linear(4, 2)
+    ShardedGradScaler("cpu", param_names=model)
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.double()  # swaps the parameters: refused if anything held a weakref to them
+        model.float().load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)

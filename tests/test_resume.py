@@ -358,7 +358,9 @@ def test_restore_never_changes_scale_or_tracker(path, tmp_path):
     assert (new.get_scale(), new.metrics()["growth_tracker"]) == (2048.0, 0)
 
 
-@pytest.mark.parametrize("value, expected", [(3e38, 2.0**127), (1e-40, 2.0**-126)])
+@pytest.mark.parametrize(
+    "value, expected", [(3e38, 2.0**127), (1e-40, 2.0**-126), (0.0, 2.0**-126)]
+)
 def test_torch_state_outside_the_bounds_loads_clamped_with_a_warning(value, expected):
     """torch's GradScaler has no bounds (growth 1.7 passes 2**127; backoffs go below 2**-126):
     such a valid torch state loads, clamped into this scaler's bounds, with a warning."""

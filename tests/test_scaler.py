@@ -823,3 +823,13 @@ def test_to_device_blocks_only_when_copying_to_the_cpu():
     assert to_device(Recorder(), "cpu")["non_blocking"] is False
     assert to_device(Recorder(), torch.device("cuda", 0))["non_blocking"] is True
     assert to_device(Recorder(), "cuda", torch.float32)["dtype"] is torch.float32
+
+
+def test_copies_share_the_process_group():
+    import copy
+
+    group = object()  # a stand-in for a process group handle (never used here)
+    s = ShardedGradScaler("cpu")
+    s.process_group = group
+    assert copy.copy(s).process_group is group
+    assert copy.deepcopy(s).process_group is group

@@ -86,7 +86,7 @@ def parse_state_dict(state_dict: object, current: ScalerConfig) -> LoadedState:
         # scale can pass 2**127, and it can back off below 2**-126. Such a state is valid for
         # torch: load it with the scale clamped into this scaler's bounds, and say so.
         value = _check_real("state_dict['scale']", raw_scale)
-        if value > 0 and not config.min_scale <= value <= config.max_scale:
+        if value >= 0 and not config.min_scale <= value <= config.max_scale:  # 0: backed off to 0
             clamped = min(max(value, config.min_scale), config.max_scale)
             warnings.warn(
                 f"state_dict['scale']={value} (a torch.amp.GradScaler state) lies outside "

@@ -6,7 +6,6 @@ The scan costs one pass over the gradients and is only run on steps that overflo
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -98,33 +97,27 @@ class OverflowReport:
 
 
 class ParamNames:
-    """Names of parameters for reports, held by identity with weak references.
+    """Names of parameters for reports, keyed by ``id(parameter)``.
 
-    A name is found only for the very tensor it was given for: a dead parameter's id, reused by
-    another tensor, never names it. :meth:`remapped` follows a ``copy.deepcopy``.
+    No reference to the parameters is held (weak references would make torch refuse to swap
+    them, e.g. FSDP2's ``module.to()``), so the ids are only meaningful in this process while
+    the named parameters live: pickling drops the names, :meth:`remapped` follows a deepcopy.
     """
 
     def __init__(self, pairs: Iterable[tuple[str, torch.Tensor]] = ()) -> None:
-        self._by_id: dict[int, tuple[str, weakref.ref]] = {
-            id(p): (name, weakref.ref(p)) for name, p in pairs
-        }
+        self._by_id: dict[int, str] = {id(p): name for name, p in pairs}
 
     def get(self, param: torch.Tensor, default: str) -> str:
         """``param``'s name, or ``default`` when it has none."""
-        hit = self._by_id.get(id(param))
-        return hit[0] if hit is not None and hit[1]() is param else default
+        return self._by_id.get(id(param), default)
 
     def remapped(self, memo: Mapping[int, Any]) -> ParamNames:
         """For a ``copy.deepcopy``: parameters already copied (in ``memo``) are named in their
         copies; the others keep their names (they were not copied: the copy shares them)."""
         new = ParamNames()
-        for key, (name, ref) in self._by_id.items():
-            param = ref()
-            if param is None:
-                continue
+        for key, name in self._by_id.items():
             copied = memo.get(key)
-            target = copied if isinstance(copied, torch.Tensor) else param
-            new._by_id[id(target)] = (name, weakref.ref(target))
+            new._by_id[id(copied) if isinstance(copied, torch.Tensor) else key] = name
         return new
 
     def __len__(self) -> int:

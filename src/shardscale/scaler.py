@@ -454,9 +454,10 @@ class ShardedGradScaler:
 
         Raises:
             RuntimeError: no :meth:`step`/:meth:`unscale_`/``clip_grad_norm_`` since the last
-                update (nothing to update from), or called before :meth:`scale`. (Flags of
-                parameters clipped with ``clip_grad_norm_(params)`` count as inf checks of the
-                iteration, as torch counts ``unscale_`` without ``step``.)
+                update (nothing to update from), or called before :meth:`scale`. (When only
+                ``clip_grad_norm_(params)`` ran, its flags are the iteration's inf checks, as
+                torch counts ``unscale_`` without ``step``; otherwise they count through the
+                optimizers that own those parameters.)
             TypeError, ValueError: a bad ``new_scale`` (not a finite value in the bounds).
             ScaleCollapseError: the scale collapsed and ``on_collapse="raise"`` (the update has
                 been applied and the scaler is ready for the next iteration).
@@ -471,12 +472,10 @@ class ShardedGradScaler:
         # or, when only clip_grad_norm_(params) ran, those parameters' agreed flags (as torch's
         # update() after unscale_() without step(): the checks made are what counts)
         flags = [st.found_inf for st in stepped if st.found_inf is not None]
-        if self._pre_unscaled:
-            # clip_grad_norm_(params) flags of parameters no stepped optimizer covers (a stepped
-            # optimizer's own flag already includes its clipped parameters')
-            covered = {id(p) for st in stepped if st.optimizer for p in _params_of(st.optimizer())}
-            extra = {id(f): f for k, f in self._pre_unscaled.items() if k not in covered}
-            flags += list(extra.values())
+        if not flags:
+            # only clip_grad_norm_(params) ran: those checks drive the update (a stepped
+            # optimizer's flag already includes the flags of its clipped parameters)
+            flags = list({id(f): f for f in self._pre_unscaled.values()}.values())
         if not flags and value is None:
             raise RuntimeError(
                 "update() was called but no optimizer was stepped or unscaled since the last "
@@ -857,7 +856,20 @@ class ShardedGradScaler:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # attributes added after a scaler may have been pickled get their defaults
-        self.__dict__.update({"rank_local_params": False, "_names": ParamNames()})
+        self.__dict__.update(
+            {
+                "rank_local_params": False,
+                "_names": ParamNames(),
+                "_report_overflows": False,
+                "_state": None,
+                "_per_optimizer": {},
+                "_pre_unscaled": {},
+                "_skipped": {},
+                "_last": None,
+                "_last_report": None,
+                "_pending_collapse": [],
+            }
+        )
         self.__dict__.update(state)
         if not isinstance(self._names, ParamNames):  # an older pickle: {id: name}, meaningless
             self._names = ParamNames()
@@ -867,6 +879,7 @@ class ShardedGradScaler:
         new = type(self).__new__(type(self))
         new.__setstate__(self.__getstate__())
         new._names = self._names
+        new.process_group = self.process_group  # a process resource: shared, not copied
         return new
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ShardedGradScaler:
@@ -879,6 +892,7 @@ class ShardedGradScaler:
         memo[id(self)] = new
         new.__setstate__(copy.deepcopy(state, memo))
         new._names = self._names.remapped(memo)
+        new.process_group = self.process_group  # a process resource: shared, not copied
         return new
 
     # ---------------------------------------------------------------- helpers
@@ -895,10 +909,6 @@ class ShardedGradScaler:
                 optimizer=weakref.ref(optimizer)
             )
         return st
-
-
-def _params_of(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
-    return [] if optimizer is None else list(iter_params(optimizer))
 
 
 def _report_names(source: torch.nn.Module | Mapping[str, torch.Tensor] | None) -> ParamNames:
