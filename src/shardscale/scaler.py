@@ -849,7 +849,7 @@ class ShardedGradScaler:
         state["_pre_unscaled"] = {}
         if not isinstance(state.get("process_group"), (type(None),)):
             state["process_group"] = None  # process groups cannot be pickled
-        # report names refer to this process's parameters (weakly): pickling drops them (call
+        # report names are ids of this process's parameters: pickling drops them (call
         # set_param_names after loading); __copy__/__deepcopy__ keep or remap them
         state["_names"] = ParamNames()
         return state
