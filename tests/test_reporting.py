@@ -637,11 +637,11 @@ def test_param_names_hold_no_reference_to_the_parameters():
     from shardscale._report import ParamNames
 
     p, q = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
-    names = ParamNames([("p", p)])
-    assert names.get(p, "?") == "p" and names.get(q, "?") == "?"
+    names = ParamNames([("p", p)]).current()
+    assert names.get(id(p), "?") == "p" and names.get(id(q), "?") == "?"
     copy_of = torch.nn.Parameter(torch.ones(2))
-    remapped = names.remapped({id(p): copy_of})
-    assert remapped.get(copy_of, "?") == "p" and remapped.get(p, "?") == "?"
+    remapped = ParamNames([("p", p)]).remapped({id(p): copy_of}).current()
+    assert remapped.get(id(copy_of), "?") == "p" and remapped.get(id(p), "?") == "?"
     model = torch.nn.Linear(4, 2)
     ShardedGradScaler("cpu", param_names=model)
     previous = torch.__future__.get_swap_module_params_on_conversion()
@@ -651,3 +651,27 @@ def test_param_names_hold_no_reference_to_the_parameters():
         model.float().load_state_dict({k: v.float() for k, v in model.state_dict().items()})
     finally:
         torch.__future__.set_swap_module_params_on_conversion(previous)
+
+
+def test_module_names_follow_replaced_parameters_and_die_with_the_model():
+    """Names from a module are read when the report is built: parameters replaced since
+    (load_state_dict(assign=True), FSDP2 module.to()) are named right, and a freed model names
+    nothing (a new model's parameter reusing a dead one's id is never given its name)."""
+    import gc
+
+    def report(model, scaler):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler.scale((model(torch.ones(1, 3)) * INF).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        return scaler.overflow_report().names
+
+    model = torch.nn.Linear(3, 2)
+    scaler = ShardedGradScaler("cpu", param_names=model)
+    fresh = {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(fresh, assign=True)  # new Parameter objects
+    assert report(model, scaler) == ["bias", "weight"]
+    del model
+    gc.collect()
+    other = torch.nn.Linear(3, 2)  # may reuse the dead parameters' ids
+    assert report(other, scaler) == ["<param 0 of optimizer 0>", "<param 1 of optimizer 0>"]

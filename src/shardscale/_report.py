@@ -6,6 +6,7 @@ The scan costs one pass over the gradients and is only run on steps that overflo
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -97,53 +98,87 @@ class OverflowReport:
 
 
 class ParamNames:
-    """Names of parameters for reports, keyed by ``id(parameter)``.
+    """Names of parameters for reports.
 
-    No reference to the parameters is held (weak references would make torch refuse to swap
-    them, e.g. FSDP2's ``module.to()``), so the ids are only meaningful in this process while
-    the named parameters live: pickling drops the names, :meth:`remapped` follows a deepcopy.
+    From a module (the usual ``param_names=model``): for each parameter, a weak reference to
+    the submodule that registers it and its attribute name, read when a report is built. The
+    names thus follow the module's current parameters (after FSDP2's ``module.to()``,
+    ``load_state_dict(assign=True)``, ...), survive a temporary wrapper (``ModuleDict({"net":
+    model})``), and a freed model names nothing. No reference of any kind to the parameters is
+    held: torch refuses to swap tensors that have weak references. From a ``{name: parameter}``
+    map: ids, valid while those parameters live. Pickling drops the names; :meth:`remapped`
+    follows a ``copy.deepcopy``.
     """
 
-    def __init__(self, pairs: Iterable[tuple[str, torch.Tensor]] = ()) -> None:
+    def __init__(
+        self,
+        pairs: Iterable[tuple[str, torch.Tensor]] = (),
+        module: torch.nn.Module | None = None,
+    ) -> None:
         self._by_id: dict[int, str] = {id(p): name for name, p in pairs}
+        #: (weak ref to the owning submodule, attribute name, full name)
+        self._owners: list[tuple[weakref.ref, str, str]] = []
+        if module is not None:
+            for prefix, sub in module.named_modules(remove_duplicate=False):
+                for attr, param in sub._parameters.items():
+                    if param is not None:
+                        full = f"{prefix}.{attr}" if prefix else attr
+                        self._owners.append((weakref.ref(sub), attr, full))
 
-    def get(self, param: torch.Tensor, default: str) -> str:
-        """``param``'s name, or ``default`` when it has none."""
-        return self._by_id.get(id(param), default)
+    def current(self) -> dict[int, str]:
+        """``{id(parameter): name}`` as of now."""
+        if not self._owners:
+            return self._by_id
+        out: dict[int, str] = {}
+        for ref, attr, full in self._owners:
+            sub = ref()
+            param = None if sub is None else sub._parameters.get(attr)
+            if param is not None:
+                out.setdefault(id(param), full)  # a shared parameter keeps its first name
+        return out
 
     def remapped(self, memo: Mapping[int, Any]) -> ParamNames:
-        """For a ``copy.deepcopy``: parameters already copied (in ``memo``) are named in their
-        copies; the others keep their names (they were not copied: the copy shares them)."""
+        """For a ``copy.deepcopy``: what was copied before the scaler in the same call (in
+        ``memo``) is named in its copy; the rest keeps its names (the copy shares it)."""
         new = ParamNames()
+        for ref, attr, full in self._owners:
+            sub = ref()
+            if sub is not None:
+                copied = memo.get(id(sub))
+                target = copied if isinstance(copied, torch.nn.Module) else sub
+                new._owners.append((weakref.ref(target), attr, full))
         for key, name in self._by_id.items():
             copied = memo.get(key)
             new._by_id[id(copied) if isinstance(copied, torch.Tensor) else key] = name
         return new
 
     def __len__(self) -> int:
-        return len(self._by_id)
+        return len(self.current())
 
 
 def param_names(source: torch.nn.Module | Mapping[str, torch.Tensor] | None) -> ParamNames:
-    """:class:`ParamNames` from a module's ``named_parameters()`` or a ``{name: param}`` map."""
+    """:class:`ParamNames` from a module (read at report time) or a ``{name: param}`` map.
+
+    Raises:
+        TypeError: neither a module nor a ``{str: tensor}`` mapping.
+    """
     if source is None:
         return ParamNames()
     if isinstance(source, torch.nn.Module):
-        items: Iterable[tuple[str, torch.Tensor]] = source.named_parameters(remove_duplicate=False)
-    elif isinstance(source, Mapping):
-        items = source.items()
+        return ParamNames(module=source)
+    if isinstance(source, Mapping):
+        items = list(source.items())
         for name, p in items:
             if not isinstance(name, str) or not isinstance(p, torch.Tensor):
                 raise TypeError(
                     "param names must map str names to parameters, got "
                     f"{type(name).__name__} -> {type(p).__name__}."
                 )
-    else:
-        raise TypeError(
-            f"param names must come from an nn.Module or a {{name: parameter}} mapping, got "
-            f"{type(source).__name__}."
-        )
-    return ParamNames(items)
+        return ParamNames(items)
+    raise TypeError(
+        f"param names must come from an nn.Module or a {{name: parameter}} mapping, got "
+        f"{type(source).__name__}."
+    )
 
 
 def scan_local(
@@ -154,6 +189,7 @@ def scan_local(
     One host read per gradient tensor: only for steps that overflowed.
     """
     entries: list[OverflowEntry] = []
+    by_id = names.current()
     for j, opt in enumerate(optimizers):
         i = 0
         for group in opt.param_groups:
@@ -167,7 +203,7 @@ def scan_local(
                         [torch.isnan(g).sum(), torch.isinf(g).sum()]
                     ).tolist()
                 if n_nan or n_inf:
-                    name = names.get(p, f"<param {i - 1} of optimizer {j}>")
+                    name = by_id.get(id(p), f"<param {i - 1} of optimizer {j}>")
                     entries.append(
                         OverflowEntry(
                             name, rank, n_inf, n_nan, g.numel(), str(g.dtype), str(g.device)

@@ -457,7 +457,9 @@ class ShardedGradScaler:
                 update (nothing to update from), or called before :meth:`scale`. (When only
                 ``clip_grad_norm_(params)`` ran, its flags are the iteration's inf checks, as
                 torch counts ``unscale_`` without ``step``; otherwise they count through the
-                optimizers that own those parameters.)
+                optimizers that own those parameters when these step or unscale in the same
+                iteration: an overflow in parameters whose optimizer is not stepped then, or
+                that no optimizer holds, does not back off the scale.)
             TypeError, ValueError: a bad ``new_scale`` (not a finite value in the bounds).
             ScaleCollapseError: the scale collapsed and ``on_collapse="raise"`` (the update has
                 been applied and the scaler is ready for the next iteration).
@@ -655,9 +657,11 @@ class ShardedGradScaler:
         """Name parameters in overflow reports, from a module or a ``{name: parameter}`` map.
 
         With FSDP1 (``use_orig_params=False``) the optimizer sees flat parameters, named after
-        the ``_flat_param`` attributes. Names are kept by parameter identity: ``copy.deepcopy``
-        of the scaler together with its model follows the copied parameters; pickling (e.g.
-        ``torch.save(scaler)``) drops them, so call this again after loading.
+        the ``_flat_param`` attributes. From a module, names are read from its current
+        parameters when a report is built (they follow parameters replaced since, and a freed
+        model names nothing); from a map, they are kept by parameter identity.
+        ``copy.deepcopy`` of the scaler after its model in the same call follows the copied
+        model; pickling (e.g. ``torch.save(scaler)``) drops them: call this again after loading.
         """
         self._names = _report_names(source)
 
