@@ -251,3 +251,25 @@ def test_bf16_guard_keeps_ranks_identical_and_skips(results):
     assert g0["metrics"]["scale"] == 1.0 and g0["metrics"]["skipped_steps"] == 1
     # both guarded replicas skipped step 1, which plain rank 0 took: they differ from it
     assert g0["checksum"] != results[0]["bf16_plain"]["checksum"]
+
+
+def _fsdp2_no_reshard_names(rank: int, world_size: int):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
+    fully_shard(m[0])
+    fully_shard(m)
+    m.set_reshard_after_backward(False)  # the modules hold unsharded parameters at report time
+    s = ShardedGradScaler("cpu", param_names=m)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    s.scale((m(torch.randn(2, 4)) * float("inf")).sum()).backward()
+    s.step(opt)
+    s.update()
+    return sorted(set(s.overflow_report().names))
+
+
+@pytest.mark.dist
+def test_fsdp2_names_without_resharding_after_backward(tmp_path):
+    for names in run_ranks(_fsdp2_no_reshard_names, tmp_path):
+        assert names == ["0.bias", "0.weight", "2.bias", "2.weight"]

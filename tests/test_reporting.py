@@ -675,3 +675,32 @@ def test_module_names_follow_replaced_parameters_and_die_with_the_model():
     gc.collect()
     other = torch.nn.Linear(3, 2)  # may reuse the dead parameters' ids
     assert report(other, scaler) == ["<param 0 of optimizer 0>", "<param 1 of optimizer 0>"]
+
+
+def test_module_names_for_scripted_and_parametrized_modules():
+    """TorchScript modules (their _parameters is no dict) and parametrizations registered after
+    naming (the parameter moves to a new submodule) keep their names."""
+    from torch.nn.utils import parametrize
+
+    class Double(torch.nn.Module):
+        def forward(self, x):
+            return 2 * x
+
+    def report(model, scaler):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler.scale((model(torch.ones(1, 3)) * INF).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        return scaler.overflow_report().names
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit.script is deprecated
+        scripted = torch.jit.script(torch.nn.Sequential(torch.nn.Linear(3, 2)))
+    assert report(scripted, ShardedGradScaler("cpu", param_names=scripted)) == [
+        "0.bias",
+        "0.weight",
+    ]
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    scaler = ShardedGradScaler("cpu", param_names=model)
+    parametrize.register_parametrization(model[0], "weight", Double())
+    assert report(model, scaler) == ["0.bias", "0.weight"]

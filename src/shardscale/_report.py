@@ -100,14 +100,16 @@ class OverflowReport:
 class ParamNames:
     """Names of parameters for reports.
 
-    From a module (the usual ``param_names=model``): for each parameter, a weak reference to
-    the submodule that registers it and its attribute name, read when a report is built. The
-    names thus follow the module's current parameters (after FSDP2's ``module.to()``,
-    ``load_state_dict(assign=True)``, ...), survive a temporary wrapper (``ModuleDict({"net":
-    model})``), and a freed model names nothing. No reference of any kind to the parameters is
-    held: torch refuses to swap tensors that have weak references. From a ``{name: parameter}``
-    map: ids, valid while those parameters live. Pickling drops the names; :meth:`remapped`
-    follows a ``copy.deepcopy``.
+    From a module (the usual ``param_names=model``): for each parameter, a weak reference to the
+    submodule that registers it (recorded by :meth:`ShardedGradScaler.set_param_names`), its
+    attribute name and its id then. A report names a gradient by the parameter its submodule
+    holds at that moment (so a parameter replaced since is named), else by the id recorded
+    (FSDP2 between forward and resharding, parametrizations), and only while that submodule
+    lives: a freed model names nothing, so a dead parameter's reused id never names a stranger.
+    Parameters registered after the call are not named (call it again). No reference of any
+    kind to the parameters is held: torch refuses to swap tensors that have weak references.
+    From a ``{name: parameter}`` map: ids, valid while those parameters live. Pickling drops
+    the names; :meth:`remapped` follows a ``copy.deepcopy``.
     """
 
     def __init__(
@@ -116,37 +118,44 @@ class ParamNames:
         module: torch.nn.Module | None = None,
     ) -> None:
         self._by_id: dict[int, str] = {id(p): name for name, p in pairs}
-        #: (weak ref to the owning submodule, attribute name, full name)
-        self._owners: list[tuple[weakref.ref, str, str]] = []
+        #: (weak ref to the owning submodule, attribute name, full name, id of the parameter)
+        self._owners: list[tuple[weakref.ref, str, str, int]] = []
         if module is not None:
             for prefix, sub in module.named_modules(remove_duplicate=False):
                 for attr, param in sub._parameters.items():
                     if param is not None:
                         full = f"{prefix}.{attr}" if prefix else attr
-                        self._owners.append((weakref.ref(sub), attr, full))
+                        self._owners.append((weakref.ref(sub), attr, full, id(param)))
 
     def current(self) -> dict[int, str]:
         """``{id(parameter): name}`` as of now."""
         if not self._owners:
             return self._by_id
         out: dict[int, str] = {}
-        for ref, attr, full in self._owners:
+        recorded: dict[int, str] = {}
+        for ref, attr, full, pid in self._owners:
             sub = ref()
-            param = None if sub is None else sub._parameters.get(attr)
-            if param is not None:
+            if sub is None:
+                continue  # the named model is gone
+            param = getattr(sub, attr, None)
+            if isinstance(param, torch.Tensor):
                 out.setdefault(id(param), full)  # a shared parameter keeps its first name
+            recorded.setdefault(pid, full)
+        for pid, full in recorded.items():
+            out.setdefault(pid, full)
         return out
 
     def remapped(self, memo: Mapping[int, Any]) -> ParamNames:
         """For a ``copy.deepcopy``: what was copied before the scaler in the same call (in
         ``memo``) is named in its copy; the rest keeps its names (the copy shares it)."""
         new = ParamNames()
-        for ref, attr, full in self._owners:
+        for ref, attr, full, pid in self._owners:
             sub = ref()
             if sub is not None:
-                copied = memo.get(id(sub))
-                target = copied if isinstance(copied, torch.nn.Module) else sub
-                new._owners.append((weakref.ref(target), attr, full))
+                copied_sub, copied_param = memo.get(id(sub)), memo.get(pid)
+                target = copied_sub if isinstance(copied_sub, torch.nn.Module) else sub
+                new_pid = id(copied_param) if isinstance(copied_param, torch.Tensor) else pid
+                new._owners.append((weakref.ref(target), attr, full, new_pid))
         for key, name in self._by_id.items():
             copied = memo.get(key)
             new._by_id[id(copied) if isinstance(copied, torch.Tensor) else key] = name

@@ -657,9 +657,10 @@ class ShardedGradScaler:
         """Name parameters in overflow reports, from a module or a ``{name: parameter}`` map.
 
         With FSDP1 (``use_orig_params=False``) the optimizer sees flat parameters, named after
-        the ``_flat_param`` attributes. From a module, names are read from its current
-        parameters when a report is built (they follow parameters replaced since, and a freed
-        model names nothing); from a map, they are kept by parameter identity.
+        the ``_flat_param`` attributes. From a module, the submodules are recorded now and
+        asked for their parameters when a report is built (parameters replaced since are
+        named; a freed model names nothing; parameters registered later are not: call this
+        again); from a map, names are kept by parameter identity.
         ``copy.deepcopy`` of the scaler after its model in the same call follows the copied
         model; pickling (e.g. ``torch.save(scaler)``) drops them: call this again after loading.
         """
