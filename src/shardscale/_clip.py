@@ -144,12 +144,7 @@ def clip_grad_norm_(
         return _clip_params(scaler, params, max_norm_f, p, group)
     if not scaler.is_enabled():
         buckets = _bucket(iter_params(optimizer), scaler.rank_local_params, group)
-        home = _first_device(buckets)
-        total, _ = _global_norm(buckets, p, None, home, group)
-        coef = _clip_coef(total, max_norm_f)
-        with torch.no_grad():
-            _mul_all(buckets, coef)
-        return total
+        return _clip_unscaled(buckets, p, max_norm_f, group)
 
     # validates the gradients before any change
     buckets = _bucket(iter_params(optimizer), scaler.rank_local_params, group)
@@ -276,9 +271,8 @@ def _is_sharded(
 
 
 def _param_list(params: object) -> list[torch.Tensor]:
-    """A tensor or an iterable of tensors as a list without repeats (as
-    torch.nn.utils.clip_grad_norm_ takes; a parameter listed twice, e.g. a tied weight gathered
-    from two modules, is kept once: torch would count it twice in the norm)."""
+    """A tensor or an iterable of tensors as a list (as torch.nn.utils.clip_grad_norm_ takes;
+    repeats, e.g. a tied weight gathered from two modules, are dropped by :func:`_bucket`)."""
     if isinstance(params, torch.Tensor):
         return [params]
     if isinstance(params, (str, bytes)) or not isinstance(params, Iterable):
@@ -286,17 +280,13 @@ def _param_list(params: object) -> list[torch.Tensor]:
             "clip_grad_norm_() takes an optimizer, a tensor or an iterable of parameters, got "
             f"{type(params).__name__}."
         )
-    out: list[torch.Tensor] = []
-    seen: set[int] = set()
-    for q in params:
+    out = list(params)
+    for q in out:
         if not isinstance(q, torch.Tensor):
             raise TypeError(
                 f"clip_grad_norm_() got a {type(q).__name__} among the parameters; pass tensors "
                 "(e.g. model.parameters())."
             )
-        if id(q) not in seen:  # a tied weight listed twice is one gradient: unscale it once
-            seen.add(id(q))
-            out.append(q)
     return out
 
 
@@ -317,10 +307,7 @@ def _clip_params(
     # validates the gradients before any state changes
     buckets = _bucket(params, scaler.rank_local_params, group)
     if not scaler.is_enabled():
-        total, _ = _global_norm(buckets, p, None, _first_device(buckets), group)
-        with torch.no_grad():
-            _mul_all(buckets, _clip_coef(total, max_norm))
-        return total
+        return _clip_unscaled(buckets, p, max_norm, group)
     if scaler._state is None:
         raise RuntimeError(
             "clip_grad_norm_() was called before scale(); the order is scaler.scale(loss)"
@@ -386,10 +373,15 @@ def _bucket(
     return buckets
 
 
-def _first_device(buckets: _Buckets) -> torch.device:
-    for device, _, _ in buckets:
-        return device
-    return torch.device("cpu")
+def _clip_unscaled(
+    buckets: _Buckets, p: float, max_norm: float, group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """Clip gradients that are not scaled (a disabled scaler), as torch's clip_grad_norm_."""
+    device = next(iter(buckets))[0] if buckets else torch.device("cpu")
+    total, _ = _global_norm(buckets, p, None, device, group)
+    with torch.no_grad():
+        _mul_all(buckets, _clip_coef(total, max_norm))
+    return total
 
 
 def _clip_coef(total: torch.Tensor, max_norm: float) -> torch.Tensor:
@@ -432,19 +424,16 @@ def _unscale_and_clip(
     if host_reads is None:
         host_reads = scale.device.type == "cpu"
     with torch.no_grad():
-        if host_reads:
-            if bool(too_big):
-                _mul_all(buckets, inv_scale)
-                _mul_all(buckets, torch.where(overflow, torch.ones_like(coef), coef))
-                return None, found_inf
-            if fused:
-                return folded, found_inf
-            _mul_all(buckets, torch.where(overflow, inv_scale, coef * inv_scale))
+        if not host_reads:  # no host sync: an unfoldable clip is taken as an overflow
+            found_inf = torch.maximum(found_inf, too_big.float())
+            overflow = found_inf > 0
+            folded = torch.where(overflow, scale, folded)
+        elif bool(too_big):  # unscale, then clip: two exact passes
+            _mul_all(buckets, inv_scale)
+            _mul_all(buckets, torch.where(overflow, torch.ones_like(coef), coef))
             return None, found_inf
-        found_inf = torch.maximum(found_inf, too_big.float())
-        overflow = found_inf > 0
         if fused:
-            return torch.where(overflow, scale, folded), found_inf
+            return folded, found_inf
         _mul_all(buckets, torch.where(overflow, inv_scale, coef * inv_scale))
         return None, found_inf
 

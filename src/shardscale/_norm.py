@@ -118,13 +118,11 @@ def _cpu_norms(
             buf = torch.empty(min(_CPU_CHUNK, max(g.numel() for g in grads)), dtype=acc)
         return buf
 
-    if dtype == torch.bfloat16:
-        raw = list(torch._foreach_norm(grads, p))
-    elif dtype == torch.float16:
+    if dtype == torch.float16:
         raw = [_chunk_norm(g, p, None, acc, scratch()) for g in grads]
-    elif p == 2.0:
+    elif p == 2.0 and dtype != torch.bfloat16:
         raw = [torch.dot(f, f).sqrt() for f in (g.reshape(-1) for g in grads)]
-    else:
+    else:  # bf16 (any p), fp32/fp64 other p
         raw = list(torch._foreach_norm(grads, p))
     norms = torch.stack(raw).to(acc)
     if inv is None:

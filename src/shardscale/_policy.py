@@ -140,19 +140,8 @@ def next_state(
         new_ht = torch.where(refill, torch.full_like(ht, config.hysteresis), ht_after)
     else:
         new_scale, new_gt, new_ht = scale.clone(), zero_i, ht.clone()
-    consecutive = torch.where(overflow, counters[2] + 1, torch.zeros_like(counters[2]))
-    increments = torch.stack(
-        [
-            torch.ones_like(counters[0]),
-            overflow.to(torch.int64),
-            torch.zeros_like(counters[2]),
-            found_inf.to(torch.int64),
-            (new_scale < scale).to(torch.int64),
-            (new_scale > scale).to(torch.int64),
-        ]
-    )
-    new_counters = counters + increments
-    new_counters[2] = consecutive
+    new_counters = _next_counters(counters, found_inf, scale, new_scale)
+    consecutive = new_counters[2]
     backoff_due = do_backoff if config.dynamic else overflow
     collapsed = backoff_due & (scale <= round_f32(config.min_scale))
     if config.max_consecutive_skips is not None:
@@ -221,27 +210,35 @@ def reference_step(
     return PyScaleState(new_s, gt, ht, counters), collapsed
 
 
-def count_step(state: ScaleState, found_inf: torch.Tensor, new_scale: float) -> None:
-    """Advance only ``state.counters`` for an iteration whose scale the caller sets to
-    ``new_scale`` (``update(new_scale)``): steps, skips, consecutive skips, overflows, and a
-    backoff/growth when ``new_scale`` is below/above the current scale. In place, device ops
-    only (no host sync); the scale and the trackers are left to the caller (torch keeps them).
-    """
-    c = state.counters
-    overflow = (found_inf > 0).to(torch.int64)
-    consecutive = (c[2] + 1) * overflow
+def _next_counters(
+    counters: torch.Tensor,
+    found_inf: torch.Tensor,
+    scale: torch.Tensor,
+    new_scale: torch.Tensor | float,
+) -> torch.Tensor:
+    """The counters after one update (device ops): steps, skips, consecutive skips (reset by a
+    clean step), overflows, and a backoff/growth when ``new_scale`` is below/above ``scale``."""
+    overflow = found_inf > 0
     increments = torch.stack(
         [
-            torch.ones_like(c[0]),
-            overflow,
-            torch.zeros_like(c[2]),
+            torch.ones_like(counters[0]),
+            overflow.to(torch.int64),
+            torch.zeros_like(counters[2]),
             found_inf.to(torch.int64),
-            (state.scale > new_scale).to(torch.int64),
-            (state.scale < new_scale).to(torch.int64),
+            (scale > new_scale).to(torch.int64),
+            (scale < new_scale).to(torch.int64),
         ]
     )
-    c.add_(increments)
-    c[2] = consecutive
+    new = counters + increments
+    new[2] = torch.where(overflow, counters[2] + 1, torch.zeros_like(counters[2]))
+    return new
+
+
+def count_step(state: ScaleState, found_inf: torch.Tensor, new_scale: float) -> None:
+    """Advance only ``state.counters`` for an iteration whose scale the caller sets to
+    ``new_scale`` (``update(new_scale)``), in place, device ops only (no host sync); the scale
+    and the trackers are left to the caller (torch keeps them)."""
+    state.counters.copy_(_next_counters(state.counters, found_inf, state.scale, new_scale))
 
 
 def step_in_place(state: ScaleState, found_inf: torch.Tensor, config: ScalerConfig) -> torch.Tensor:

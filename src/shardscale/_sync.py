@@ -130,9 +130,7 @@ def all_reduce(
         buf = tensor if device == tensor.device else tensor.to(device)
         dist.all_reduce(buf, op=op, group=group)
         if buf is not tensor:
-            # back to the CPU: a blocking copy, since the caller may read the result at once
-            # (a non_blocking device-to-host copy lands in pinned memory asynchronously)
-            tensor = buf.to(tensor.device, non_blocking=tensor.device.type != "cpu")
+            tensor = to_device(buf, tensor.device)  # blocking back to the CPU: read at once
     return tensor
 
 

@@ -470,13 +470,12 @@ class ShardedGradScaler:
             raise RuntimeError(f"update() was called before scale(); the order is {_ORDER}.")
         value = None if new_scale is None else self._check_new_scale(new_scale)  # validate first
         stepped = [st for st in self._per_optimizer.values() if st.found_inf is not None]
-        # the inf checks recorded this iteration: each stepped/unscaled optimizer's agreed flag,
-        # or, when only clip_grad_norm_(params) ran, those parameters' agreed flags (as torch's
-        # update() after unscale_() without step(): the checks made are what counts)
-        flags = [st.found_inf for st in stepped if st.found_inf is not None]
+        # the inf checks recorded this iteration: each stepped/unscaled optimizer's agreed flag
+        # (which includes the flags of its parameters clipped by clip_grad_norm_(params)), or,
+        # when only clip_grad_norm_(params) ran, those flags (as torch's update() after
+        # unscale_() without step(): the checks made are what counts)
+        flags: list[torch.Tensor] = [st.found_inf for st in stepped]  # type: ignore[misc]
         if not flags:
-            # only clip_grad_norm_(params) ran: those checks drive the update (a stepped
-            # optimizer's flag already includes the flags of its clipped parameters)
             flags = list({id(f): f for f in self._pre_unscaled.values()}.values())
         if not flags and value is None:
             raise RuntimeError(
@@ -852,8 +851,7 @@ class ShardedGradScaler:
             state[key] = None
         state["_per_optimizer"], state["_skipped"], state["_pending_collapse"] = {}, {}, []
         state["_pre_unscaled"] = {}
-        if not isinstance(state.get("process_group"), (type(None),)):
-            state["process_group"] = None  # process groups cannot be pickled
+        state["process_group"] = None  # process groups cannot be pickled (copies share it)
         # report names are ids of this process's parameters: pickling drops them (call
         # set_param_names after loading); __copy__/__deepcopy__ keep or remap them
         state["_names"] = ParamNames()
