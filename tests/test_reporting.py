@@ -653,28 +653,33 @@ def test_param_names_hold_no_reference_to_the_parameters():
         torch.__future__.set_swap_module_params_on_conversion(previous)
 
 
+def _inf_step_report_names(model, scaler):
+    """One iteration of a 3->2 model with every gradient inf; the report's names."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler.scale((model(torch.ones(1, 3)) * INF).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    return scaler.overflow_report().names
+
+
 def test_module_names_follow_replaced_parameters_and_die_with_the_model():
     """Names from a module are read when the report is built: parameters replaced since
     (load_state_dict(assign=True), FSDP2 module.to()) are named right, and a freed model names
     nothing (a new model's parameter reusing a dead one's id is never given its name)."""
     import gc
 
-    def report(model, scaler):
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        scaler.scale((model(torch.ones(1, 3)) * INF).sum()).backward()
-        scaler.step(opt)
-        scaler.update()
-        return scaler.overflow_report().names
-
     model = torch.nn.Linear(3, 2)
     scaler = ShardedGradScaler("cpu", param_names=model)
     fresh = {k: v.clone() for k, v in model.state_dict().items()}
     model.load_state_dict(fresh, assign=True)  # new Parameter objects
-    assert report(model, scaler) == ["bias", "weight"]
+    assert _inf_step_report_names(model, scaler) == ["bias", "weight"]
     del model
     gc.collect()
     other = torch.nn.Linear(3, 2)  # may reuse the dead parameters' ids
-    assert report(other, scaler) == ["<param 0 of optimizer 0>", "<param 1 of optimizer 0>"]
+    assert _inf_step_report_names(other, scaler) == [
+        "<param 0 of optimizer 0>",
+        "<param 1 of optimizer 0>",
+    ]
 
 
 def test_module_names_for_scripted_and_parametrized_modules():
@@ -686,21 +691,14 @@ def test_module_names_for_scripted_and_parametrized_modules():
         def forward(self, x):
             return 2 * x
 
-    def report(model, scaler):
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        scaler.scale((model(torch.ones(1, 3)) * INF).sum()).backward()
-        scaler.step(opt)
-        scaler.update()
-        return scaler.overflow_report().names
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit.script is deprecated
         scripted = torch.jit.script(torch.nn.Sequential(torch.nn.Linear(3, 2)))
-    assert report(scripted, ShardedGradScaler("cpu", param_names=scripted)) == [
+    assert _inf_step_report_names(scripted, ShardedGradScaler("cpu", param_names=scripted)) == [
         "0.bias",
         "0.weight",
     ]
     model = torch.nn.Sequential(torch.nn.Linear(3, 2))
     scaler = ShardedGradScaler("cpu", param_names=model)
     parametrize.register_parametrization(model[0], "weight", Double())
-    assert report(model, scaler) == ["0.bias", "0.weight"]
+    assert _inf_step_report_names(model, scaler) == ["0.bias", "0.weight"]
