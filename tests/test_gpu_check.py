@@ -5,16 +5,23 @@ something (parity with torch); the timing functions only have to run."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from shardscale import _cpukernel
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
 
 
 @pytest.fixture
-def dry(monkeypatch: pytest.MonkeyPatch) -> dict:
+def dry(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict]:
+    # On CUDA the scaler runs torch's unscale kernel, which the profiler check looks up by name:
+    # the dry run uses torch's kernel on the CPU too.
+    monkeypatch.setenv(_cpukernel.ENV, "0")
+    _cpukernel.reset()
     src = SCRIPT.read_text()
     src = src.replace('"cuda"', '"cpu"').replace(
         "ProfilerActivity.CPU, ProfilerActivity.CUDA", "ProfilerActivity.CPU"
@@ -26,7 +33,8 @@ def dry(monkeypatch: pytest.MonkeyPatch) -> dict:
     monkeypatch.setattr(torch.nn.Module, "cuda", lambda self, *a, **k: self)
     ns: dict = {"__name__": "gpu_check_dry"}
     exec(compile(src, str(SCRIPT), "exec"), ns)
-    return ns
+    yield ns
+    _cpukernel.reset()
 
 
 def test_gpu_check_runs_on_the_cpu(dry: dict) -> None:

@@ -9,6 +9,7 @@ from collections.abc import Container, Iterator
 
 import torch
 
+from ._cpukernel import foreach_unscale_
 from ._sync import to_device
 
 try:  # DTensor is public from torch 2.5 on; keep the import soft for other builds.
@@ -144,8 +145,10 @@ def unscale_and_check(
 ) -> dict[torch.device, torch.Tensor]:
     """Multiply every gradient by ``inv_scale`` in place and flag non-finite values.
 
-    One fused kernel (``torch._amp_foreach_non_finite_check_and_unscale_``, the kernel behind
-    ``torch.amp.GradScaler``) per (device, dtype) bucket: one read and one write of each gradient.
+    One fused kernel per (device, dtype) bucket: one read and one write of each gradient (no
+    write when the factor is 1). Accelerators use ``torch._amp_foreach_non_finite_check_and_unscale_``,
+    the kernel behind ``torch.amp.GradScaler``; the CPU uses shardscale's compiled kernel
+    (:mod:`shardscale._cpukernel`, same results bit for bit), or torch's where it cannot be built.
 
     Args:
         buckets: from :func:`bucket_grads`.
@@ -162,9 +165,15 @@ def unscale_and_check(
             flag = torch.zeros((), dtype=torch.float32, device=device)
             if inv_scale is None:
                 inv = torch.ones((), dtype=torch.float32, device=device)
+            elif inv_scale.device == device:
+                inv = inv_scale
             else:
                 inv = to_device(inv_scale, device)
-            for grads in per_dtype.values():
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv)
+            if device.type == "cpu":
+                for grads in per_dtype.values():
+                    foreach_unscale_(grads, flag, inv)
+            else:
+                for grads in per_dtype.values():
+                    torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv)
             flags[device] = flag
     return flags

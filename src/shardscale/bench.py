@@ -43,6 +43,8 @@ from typing import Any
 
 import torch
 
+from . import _cpukernel
+
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 #: Tensor shapes of one GPT-2-small transformer block (d_model 768, 4x MLP), Conv1D layout.
@@ -195,12 +197,20 @@ class Contender:
     is_torch: bool = False
     times: list[float] = dataclasses.field(default_factory=list)
     error: str = ""
+    note: str = ""
 
 
 def time_interleaved(
-    contenders: list[Contender], rounds: int, device: torch.device, warmup: int = 1
+    contenders: list[Contender],
+    rounds: int,
+    device: torch.device,
+    warmup: int = 1,
+    reset: Callable[[], Any] = lambda: None,
 ) -> None:
-    """Fill each contender's ``times`` (seconds): ``warmup`` + ``rounds`` interleaved rounds."""
+    """Fill each contender's ``times`` (seconds): ``warmup`` + ``rounds`` interleaved rounds.
+
+    ``reset()`` (untimed) runs before each contender's ``before()``: e.g. restoring the scaled
+    gradients that the previous contender unscaled in place."""
     live = list(contenders)
     for r in range(warmup + rounds):
         shift = r % max(1, len(live))
@@ -208,6 +218,7 @@ def time_interleaved(
             if c.error:
                 continue
             try:
+                reset()
                 c.before()
                 _sync(device)
                 t0 = time.perf_counter()
@@ -230,8 +241,10 @@ class GradSet:
         self.params: list[torch.nn.Parameter] = []
         for shape in gradient_shapes(numel):
             p = torch.nn.Parameter(torch.zeros(shape, dtype=dtype, device=device))
-            p.grad = (torch.randn(shape, generator=gen) * 1e-3).to(dtype=dtype, device=device)
+            grad = torch.randn(shape, generator=gen) * (1e-3 * SCALE)
+            p.grad = grad.to(dtype=dtype, device=device)
             self.params.append(p)
+        self.scaled = [p.grad.clone() for p in self.params]  # restore() copies these back
         self.numel = numel
         self.dtype = dtype
         self.device = device
@@ -240,6 +253,10 @@ class GradSet:
     @property
     def grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self.params]
+
+    def restore(self) -> None:
+        """Put the scaled gradients back (contenders unscale them in place)."""
+        torch._foreach_copy_(self.grads, self.scaled)
 
     def optimizer(self, kind: str) -> torch.optim.Optimizer:
         if kind == "sgd":
@@ -252,24 +269,27 @@ class GradSet:
 
 
 # ------------------------------------------------------------------------------ scalers
-_BIG = 2**30  # growth interval: the scale stays 1.0
+_BIG = 2**30  # growth interval: the scale stays SCALE
+#: The loss scale of every contender. Not 1.0: an unscale by 1 may skip its writes (shardscale's
+#: CPU kernel does), which no training step at a real scale gets to do.
+SCALE = 2.0**8
 
 
 def _shardscale(device: torch.device, **kw: Any) -> Any:
     from .scaler import ShardedGradScaler
 
-    return ShardedGradScaler(device.type, init_scale=1.0, growth_interval=_BIG, **kw)
+    return ShardedGradScaler(device.type, init_scale=SCALE, growth_interval=_BIG, **kw)
 
 
 def _torch_amp(device: torch.device) -> Any:
-    return torch.amp.GradScaler(device.type, init_scale=1.0, growth_interval=_BIG)
+    return torch.amp.GradScaler(device.type, init_scale=SCALE, growth_interval=_BIG)
 
 
 def _torch_sharded(device: torch.device, process_group: Any = None) -> Any:
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as TorchSharded
 
     kw = {} if process_group is None else {"process_group": process_group}
-    return TorchSharded(device=device.type, init_scale=1.0, growth_interval=_BIG, **kw)
+    return TorchSharded(device=device.type, init_scale=SCALE, growth_interval=_BIG, **kw)
 
 
 def _reference_unscale_rows(grads: list[torch.Tensor], found_inf: torch.Tensor, inv: torch.Tensor):
@@ -375,6 +395,7 @@ def _rows_from(
                 gbps=None if traffic is None else traffic / t / 1e9,
                 x_limit=None if limit is None else paired_ratio(c, limit),
                 x_torch=None if base is None else paired_ratio(c, base),
+                value=c.note,
             )
         )
     return rows
@@ -383,18 +404,18 @@ def _rows_from(
 def _bench_case(cfg: Config, gs: GradSet, dtype: str, pg: Any) -> list[Row]:
     device = gs.device
     rows: list[Row] = []
-    one = torch.ones((), device=device)
+    inv = torch.full((), 1.0 / SCALE, device=device)
 
     def limit() -> Contender:
         """The physical limit, timed in the same interleaved rounds as each section's
         contenders (every ``x limit`` is a ratio of times from the same rounds)."""
         return Contender(
-            "in-place multiply (read+write)", lambda: torch._foreach_mul_(gs.grads, one)
+            "in-place multiply (read+write)", lambda: torch._foreach_mul_(gs.grads, inv)
         )
 
     if "unscale" not in cfg.sections:  # the limit row still heads the block
         lim = limit()
-        time_interleaved([lim], cfg.rounds, device)
+        time_interleaved([lim], cfg.rounds, device, reset=gs.restore)
         rows += _rows_from("limit", gs, dtype, [lim], lim, 2 * gs.nbytes)
 
     if "unscale" in cfg.sections:
@@ -409,16 +430,32 @@ def _bench_case(cfg: Config, gs: GradSet, dtype: str, pg: Any) -> list[Row]:
             Contender(n, c.unscale, c.close, is_torch=n == "torch GradScaler")
             for n, c in cyc.items()
         ]
+        if device.type == "cpu":
+            kernel = _cpukernel.status()
+            cont[0].note = "compiled CPU kernel" if kernel.available else "torch's kernel"
+            if kernel.available and DTYPES[dtype] in kernel.dtypes:
+                # the same scaler with torch's CPU kernel: what the compiled kernel buys
+                alt = cyc["shardscale, torch's kernel"] = _Cycle(_shardscale(device), opt, device)
+
+                def unscale_torch_kernel(alt: _Cycle = alt) -> None:
+                    with _cpukernel.torch_kernel():
+                        alt.unscale()
+
+                cont.insert(
+                    1, Contender("shardscale, torch's kernel", unscale_torch_kernel, alt.close)
+                )
+            elif not kernel.available:
+                cont[0].note += f" ({kernel.reason.splitlines()[0][:60]})"
         if cfg.reference and device.type == "cpu" and gs.numel <= _REFERENCE_MAX:
             flag = torch.zeros((), device=device)
             cont.append(
                 Contender(
                     "per-row .item() loop (original)",
-                    lambda: _reference_unscale_rows(gs.grads, flag, one),
+                    lambda: _reference_unscale_rows(gs.grads, flag, inv),
                 )
             )
         lim = limit()
-        time_interleaved([lim, *cont], cfg.rounds, device)
+        time_interleaved([lim, *cont], cfg.rounds, device, reset=gs.restore)
         for c in cyc.values():
             c.close()
         rows += _rows_from("limit", gs, dtype, [lim], lim, 2 * gs.nbytes)
@@ -436,7 +473,7 @@ def _bench_case(cfg: Config, gs: GradSet, dtype: str, pg: Any) -> list[Row]:
                     Contender(f"{name} [{kind}]", c.step, is_torch=name == "torch GradScaler")
                 )
             lim = limit()
-            time_interleaved([lim, *cont], cfg.rounds, device)
+            time_interleaved([lim, *cont], cfg.rounds, device, reset=gs.restore)
             rows += _rows_from("cycle", gs, dtype, cont, lim, None)
             del cont
             for p in gs.params:  # reset the parameters AdamW moved
@@ -470,7 +507,7 @@ def _bench_case(cfg: Config, gs: GradSet, dtype: str, pg: Any) -> list[Row]:
                     ),
                 ]
             lim = limit()
-            time_interleaved([lim, *cont], cfg.rounds, device)
+            time_interleaved([lim, *cont], cfg.rounds, device, reset=gs.restore)
             ours.close()
             theirs.close()
             new = _rows_from("clip", gs, dtype, cont[:2], lim, None)

@@ -1,0 +1,171 @@
+/*
+ * shardscale's CPU unscale + inf/NaN check: one read and (unless the factor is 1) one write of
+ * each gradient, for float32, bfloat16 and float16 tensors in CPU memory.
+ *
+ * Same results, bit for bit, as torch's _amp_foreach_non_finite_check_and_unscale_ on finite and
+ * infinite values: each element is widened to float32, multiplied by the float32 factor and
+ * rounded back to nearest-even (NaNs stay NaNs; their payload may differ). found_inf is set to 1.0
+ * when any element is inf or NaN and never cleared, as torch's kernel does. The non-finite test
+ * works on the bits (exponent all ones), so it is exact whatever the compiler flags.
+ *
+ * Built at first use by shardscale/_cpukernel.py with the system C compiler and OpenMP; x86-64
+ * gets AVX-512 / AVX2 / baseline clones chosen at load time (one binary for every x86-64 CPU).
+ * Threads: the caller passes torch.get_num_threads(); small calls run on one thread.
+ */
+#include <stdint.h>
+#include <string.h>
+#include <omp.h>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__)
+#define SS_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#define SS_F16C 1
+#include <immintrin.h>
+#else
+#define SS_CLONES
+#define SS_F16C 0
+#endif
+
+#if defined(__aarch64__) && defined(__ARM_FP16_FORMAT_IEEE)
+#define SS_ARM_FP16 1
+#else
+#define SS_ARM_FP16 0
+#endif
+
+enum { SS_F32 = 0, SS_BF16 = 1, SS_F16 = 2 };
+
+/* Below this many elements in a call, one thread does all of it (a parallel region costs more). */
+#define SS_PARALLEL_MIN 131072
+
+SS_CLONES static int f32_run(float *restrict x, int64_t n, float inv, int write) {
+  int32_t bad = 0;
+  if (write) {
+    for (int64_t i = 0; i < n; i++) {
+      float v = x[i];
+      int32_t b;
+      memcpy(&b, &v, 4);
+      bad |= (b & 0x7fffffff) > 0x7f7fffff;
+      x[i] = v * inv;
+    }
+  } else {
+    for (int64_t i = 0; i < n; i++) {
+      int32_t b;
+      memcpy(&b, &x[i], 4);
+      bad |= (b & 0x7fffffff) > 0x7f7fffff;
+    }
+  }
+  return bad;
+}
+
+SS_CLONES static int bf16_run(uint16_t *restrict x, int64_t n, float inv, int write) {
+  int32_t bad = 0;
+  if (write) {
+    for (int64_t i = 0; i < n; i++) {
+      uint32_t h = x[i];
+      bad |= (int32_t)(h & 0x7fff) > 0x7f7f;
+      uint32_t b = h << 16;
+      float v;
+      memcpy(&v, &b, 4);
+      v *= inv;
+      uint32_t r;
+      memcpy(&r, &v, 4);
+      /* round to nearest even, as c10::BFloat16 */
+      r = (v != v) ? 0x7fc00000u : r + 0x7fffu + ((r >> 16) & 1u);
+      x[i] = (uint16_t)(r >> 16);
+    }
+  } else {
+    for (int64_t i = 0; i < n; i++) bad |= (int32_t)(x[i] & 0x7fff) > 0x7f7f;
+  }
+  return bad;
+}
+
+SS_CLONES static int f16_check(const uint16_t *restrict x, int64_t n) {
+  int32_t bad = 0;
+  for (int64_t i = 0; i < n; i++) bad |= (int32_t)(x[i] & 0x7fff) > 0x7bff;
+  return bad;
+}
+
+#if SS_F16C
+/* float16 <-> float32 through the F16C instructions (round to nearest even), 8 lanes at a time. */
+__attribute__((target("avx2,f16c"))) static int f16_run(uint16_t *restrict x, int64_t n,
+                                                         float inv, int write) {
+  if (!write) return f16_check(x, n);
+  const __m256 f = _mm256_set1_ps(inv);
+  const __m128i mag = _mm_set1_epi16(0x7fff), max_finite = _mm_set1_epi16(0x7bff);
+  __m128i bad = _mm_setzero_si128();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m128i h = _mm_loadu_si128((const __m128i *)(x + i));
+    bad = _mm_or_si128(bad, _mm_cmpgt_epi16(_mm_and_si128(h, mag), max_finite));
+    __m256 v = _mm256_mul_ps(_mm256_cvtph_ps(h), f);
+    _mm_storeu_si128((__m128i *)(x + i), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+  }
+  int tail = f16_check(x + i, n - i);
+  for (; i < n; i++) x[i] = _cvtss_sh(_cvtsh_ss(x[i]) * inv, _MM_FROUND_TO_NEAREST_INT);
+  return tail | !_mm_testz_si128(bad, bad);
+}
+#elif SS_ARM_FP16
+static int f16_run(uint16_t *restrict x, int64_t n, float inv, int write) {
+  int bad = f16_check(x, n);
+  if (write) {
+    __fp16 *h = (__fp16 *)x;
+    for (int64_t i = 0; i < n; i++) h[i] = (__fp16)((float)h[i] * inv);
+  }
+  return bad;
+}
+#endif
+
+/* 1 if the dtype has a compiled path on this CPU, else 0 (the caller then uses torch's kernel). */
+int shardscale_supports(int dtype) {
+  if (dtype == SS_F32 || dtype == SS_BF16) return 1;
+#if SS_F16C
+  if (dtype == SS_F16) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  }
+#elif SS_ARM_FP16
+  if (dtype == SS_F16) return 1;
+#endif
+  return 0;
+}
+
+static int run(int dtype, char *p, int64_t n, float inv, int write) {
+  if (dtype == SS_F32) return f32_run((float *)p, n, inv, write);
+  if (dtype == SS_BF16) return bf16_run((uint16_t *)p, n, inv, write);
+#if SS_F16C || SS_ARM_FP16
+  return f16_run((uint16_t *)p, n, inv, write);
+#else
+  return 0; /* unreachable: shardscale_supports(SS_F16) is 0 */
+#endif
+}
+
+/*
+ * Multiply the k tensors ptrs[j] (lens[j] elements of one dtype each, contiguous) in place by
+ * *inv_scale and set *found_inf = 1.0f if any element is inf or NaN. The elements of all k
+ * tensors are split into equal, cache-line aligned ranges, one per thread (one parallel region).
+ */
+void shardscale_unscale(char **ptrs, const int64_t *lens, int64_t k, int dtype,
+                        const float *inv_scale, float *found_inf, int num_threads) {
+  const float inv = *inv_scale;
+  const int write = inv != 1.0f;
+  const int64_t esize = dtype == SS_F32 ? 4 : 2;
+  const int64_t align = 64 / esize;
+  int64_t total = 0;
+  for (int64_t j = 0; j < k; j++) total += lens[j];
+  if (num_threads < 1 || total < SS_PARALLEL_MIN) num_threads = 1;
+  int bad = 0;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1) reduction(| : bad)
+  {
+    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+    int64_t lo = total * t / nt, hi = total * (t + 1) / nt;
+    lo -= lo % align;
+    if (t + 1 < nt) hi -= hi % align;
+    int64_t base = 0;
+    for (int64_t j = 0; j < k && base < hi; j++) {
+      int64_t s = lo > base ? lo - base : 0;
+      int64_t e = hi - base < lens[j] ? hi - base : lens[j];
+      if (e > s) bad |= run(dtype, ptrs[j] + s * esize, e - s, inv, write);
+      base += lens[j];
+    }
+  }
+  if (bad) *found_inf = 1.0f;
+}

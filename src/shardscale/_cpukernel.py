@@ -1,0 +1,277 @@
+"""The compiled CPU unscale + inf/NaN check, and its fallback to torch's kernel.
+
+torch's CPU ``_amp_foreach_non_finite_check_and_unscale_`` costs 1.3-1.5x an in-place multiply
+over float32 gradients (its vectorised inf/NaN test branches every 8-16 elements). The C kernel
+in ``_cpukernel.c`` tests the exponent bits without branches and splits all of a bucket's elements
+over the threads in one parallel region: it runs at or below the cost of ``torch._foreach_mul_``
+over the same bytes (BENCHMARKS.md), with the same results bit for bit (NaN payloads aside).
+
+It is built at first use with the system C compiler (``$CC``, else ``cc``/``gcc``/``clang``) and
+OpenMP, about 0.5 s, and cached in ``$SHARDSCALE_CACHE_DIR`` (default
+``$XDG_CACHE_HOME/shardscale`` or ``~/.cache/shardscale``) under a hash of the source, the
+compiler's version and the platform. x86-64 builds carry AVX-512, AVX2 and baseline clones picked
+at load time, so a cache shared between machines is safe. On Linux the library binds to the
+OpenMP runtime torch already loaded (``libgomp.so.1``), so both share one thread pool.
+
+``SHARDSCALE_CPU_KERNEL`` selects it: ``auto`` (default: use it when it builds, else torch's
+kernel, logged once at INFO on the ``shardscale`` logger), ``0`` (always torch's kernel), ``1``
+(require it: :func:`status` raises if it cannot be built).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from array import array
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("shardscale")
+
+ENV = "SHARDSCALE_CPU_KERNEL"
+CACHE_ENV = "SHARDSCALE_CACHE_DIR"
+_SOURCE = Path(__file__).with_name("_cpukernel.c")
+_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
+_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+@dataclass(frozen=True)
+class KernelStatus:
+    """Whether the compiled CPU kernel is in use.
+
+    Attributes:
+        available: True if CPU unscales of float32/bfloat16 (and float16 where the CPU has F16C,
+            or on aarch64) go through the compiled kernel.
+        reason: why not (mode ``0``, no compiler, the compiler's error), or the library's path.
+        dtypes: the dtypes it handles on this CPU; others use torch's kernel.
+    """
+
+    available: bool
+    reason: str
+    dtypes: tuple[torch.dtype, ...] = ()
+
+
+class CpuKernelError(RuntimeError):
+    """``SHARDSCALE_CPU_KERNEL=1`` but the kernel could not be built or loaded."""
+
+
+_lock = threading.Lock()
+_forced_torch = False  # set by torch_kernel(): benchmarks compare both kernels in one process
+_loaded: tuple[KernelStatus, Any, frozenset[int]] | None = None
+
+
+def _mode() -> str:
+    mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if mode not in ("auto", "0", "1"):
+        raise ValueError(f"{ENV}={mode!r}: use 'auto' (default), '0' (torch's kernel) or '1'")
+    return mode
+
+
+def _cache_dir() -> Path:
+    explicit = os.environ.get(CACHE_ENV)
+    if explicit:
+        return Path(explicit)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "shardscale"
+
+
+def _compiler() -> list[str] | None:
+    cc = os.environ.get("CC")
+    if cc:
+        return shlex.split(cc)
+    for name in ("cc", "gcc", "clang"):
+        path = shutil.which(name)
+        if path:
+            return [path]
+    return None
+
+
+def _build() -> Path:
+    """Compile ``_cpukernel.c`` (or find it in the cache); return the shared library's path.
+
+    Raises:
+        CpuKernelError: no C compiler, or it failed (its output is in the message).
+    """
+    cc = _compiler()
+    if cc is None:
+        raise CpuKernelError("no C compiler found (set $CC, or install gcc)")
+    try:
+        version = subprocess.run(
+            [*cc, "--version"], capture_output=True, text=True, timeout=60, check=True
+        ).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise CpuKernelError(f"C compiler {shlex.join(cc)!r} does not run: {e}") from e
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(
+        b"\0".join(
+            [
+                source,
+                shlex.join(cc).encode(),
+                version.encode(),
+                " ".join(_FLAGS).encode(),
+                platform.machine().encode(),
+                sys.platform.encode(),
+            ]
+        )
+    ).hexdigest()[:16]
+    for cache in (
+        _cache_dir(),
+        Path(tempfile.gettempdir()) / f"shardscale-{getattr(os, 'getuid', lambda: 0)()}",
+    ):
+        lib = cache / f"cpukernel-{key}.so"
+        if lib.exists():
+            return lib
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+            os.close(fd)
+        except OSError:
+            continue  # cache not writable: try the next one
+        try:
+            done = subprocess.run(
+                [*cc, *_FLAGS, str(_SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300
+            )
+            if done.returncode != 0:
+                raise CpuKernelError(
+                    f"{shlex.join([*cc, *_FLAGS])} failed:\n{(done.stderr or done.stdout).strip()}"
+                )
+            os.replace(tmp, lib)  # atomic: ranks building at once each install a whole file
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        return lib
+    raise CpuKernelError(f"no writable cache directory (tried {_cache_dir()} and the temp dir)")
+
+
+def _load() -> tuple[KernelStatus, Any, frozenset[int]]:
+    global _loaded
+    if _loaded is not None:
+        return _loaded
+    with _lock:
+        if _loaded is not None:
+            return _loaded
+        mode = _mode()
+        if mode == "0":
+            _loaded = (KernelStatus(False, f"{ENV}=0"), None, frozenset())
+            return _loaded
+        try:
+            path = _build()
+            lib = ctypes.CDLL(str(path))
+        except (CpuKernelError, OSError) as e:
+            if mode == "1":
+                raise CpuKernelError(f"{ENV}=1 but the CPU kernel is unavailable: {e}") from e
+            logger.info("shardscale: compiled CPU kernel unavailable, using torch's: %s", e)
+            _loaded = (KernelStatus(False, str(e)), None, frozenset())
+            return _loaded
+        supports = lib.shardscale_supports
+        supports.argtypes, supports.restype = [ctypes.c_int], ctypes.c_int
+        codes = frozenset(c for c in _CODES.values() if supports(c))
+        fn = lib.shardscale_unscale
+        fn.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_int,
+        ]
+        fn.restype = None
+        dtypes = tuple(d for d, c in _CODES.items() if c in codes)
+        _loaded = (KernelStatus(True, str(path), dtypes), fn, codes)
+        return _loaded
+
+
+def status() -> KernelStatus:
+    """Build or load the kernel if not done yet, and say whether CPU unscales use it.
+
+    Raises:
+        CpuKernelError: ``SHARDSCALE_CPU_KERNEL=1`` and the kernel cannot be built.
+        ValueError: ``SHARDSCALE_CPU_KERNEL`` is not ``auto``, ``0`` or ``1``.
+    """
+    return _load()[0]
+
+
+def reset() -> None:
+    """Forget the loaded kernel, so the next call reads ``SHARDSCALE_CPU_KERNEL`` again (tests)."""
+    global _loaded
+    with _lock:
+        _loaded = None
+
+
+@contextlib.contextmanager
+def torch_kernel() -> Iterator[None]:
+    """Within this block, CPU unscales use torch's kernel even where the compiled one is loaded
+    (``shardscale bench`` times both side by side). Not thread-safe; not for training code: set
+    ``SHARDSCALE_CPU_KERNEL=0`` instead."""
+    global _forced_torch
+    before, _forced_torch = _forced_torch, True
+    try:
+        yield
+    finally:
+        _forced_torch = before
+
+
+def foreach_unscale_(
+    grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
+) -> None:
+    """``torch._amp_foreach_non_finite_check_and_unscale_`` for CPU tensors, compiled where possible.
+
+    Args:
+        grads: CPU tensors, all of one floating dtype (the caller's bucket guarantees both, and
+            they are not checked again here); multiplied by ``inv_scale`` in place (not
+            written at all when it is 1.0).
+        found_inf: 0-d float32 CPU tensor; set to 1.0 if any element is inf or NaN, else left.
+        inv_scale: 0-d float32 CPU tensor.
+
+    Contiguous float32/bfloat16/float16 tensors go through the compiled kernel (one call, all
+    threads of ``torch.get_num_threads()``), the rest through torch's kernel. Same results as
+    torch's kernel bit for bit on every non-NaN element.
+    """
+    _, fn, codes = _load()
+    dtype = grads[0].dtype if grads else None
+    if (
+        fn is None
+        or _forced_torch
+        or _CODES.get(dtype) not in codes
+        or found_inf.dtype != torch.float32
+        or inv_scale.dtype != torch.float32
+    ):
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+        return
+    ptrs: list[int] = []
+    lens: list[int] = []
+    rest: list[torch.Tensor] = []
+    for g in grads:
+        if g.is_contiguous():  # (a negated view is fine: -(v * f) == (-v) * f exactly)
+            ptrs.append(g.data_ptr())
+            lens.append(g.numel())
+        else:
+            rest.append(g)
+    if ptrs:
+        p, n = array("q", ptrs), array("q", lens)
+        fn(
+            p.buffer_info()[0],
+            n.buffer_info()[0],
+            len(ptrs),
+            _CODES[dtype],
+            inv_scale.data_ptr(),
+            found_inf.data_ptr(),
+            torch.get_num_threads(),
+        )
+    if rest:
+        torch._amp_foreach_non_finite_check_and_unscale_(rest, found_inf, inv_scale)

@@ -1,0 +1,237 @@
+"""The compiled CPU unscale kernel (``_cpukernel``): bit for bit torch's kernel, on any thread
+count and split, and its fallback/selection rules (``SHARDSCALE_CPU_KERNEL``, cache)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shardscale import ShardedGradScaler, _cpukernel
+
+INT = {
+    torch.float32: torch.int32,
+    torch.bfloat16: torch.int16,
+    torch.float16: torch.int16,
+    torch.float64: torch.int64,
+}
+FACTORS = [1.0, 0.5, 2.0**-16, 1 / 3, 3.7e-3, 7.0, 1e30, 2.0**-140]
+
+
+@pytest.fixture
+def kernel(monkeypatch: pytest.MonkeyPatch) -> Iterator[_cpukernel.KernelStatus]:
+    monkeypatch.setenv(_cpukernel.ENV, "auto")
+    _cpukernel.reset()
+    status = _cpukernel.status()
+    if not status.available:
+        pytest.skip(f"compiled CPU kernel unavailable here: {status.reason}")
+    yield status
+    _cpukernel.reset()
+
+
+@pytest.fixture
+def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path) -> Iterator[pytest.MonkeyPatch]:
+    """An empty kernel cache and a forgotten kernel; restored afterwards."""
+    monkeypatch.setenv(_cpukernel.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    _cpukernel.reset()
+    yield monkeypatch
+    _cpukernel.reset()
+
+
+def _specials(dtype: torch.dtype) -> torch.Tensor:
+    info = torch.finfo(dtype)
+    vals = [0.0, -0.0, info.tiny, -info.tiny, info.tiny / 4, info.max, -info.max, info.eps, 1.0]
+    return torch.tensor(vals, dtype=torch.float32).to(dtype)
+
+
+def _both(grads: list[torch.Tensor], inv: float, found: float = 0.0):
+    """(torch's result, ours) on copies of ``grads``: lists of tensors and the found_inf values."""
+    a = [g.clone() for g in grads]
+    b = [g.clone() for g in grads]
+    fa, fb = torch.tensor(found), torch.tensor(found)
+    torch._amp_foreach_non_finite_check_and_unscale_(a, fa, torch.tensor(inv))
+    _cpukernel.foreach_unscale_(b, fb, torch.tensor(inv))
+    return (a, fa.item()), (b, fb.item())
+
+
+def _assert_same(grads: list[torch.Tensor], inv: float, found: float = 0.0) -> None:
+    (a, fa), (b, fb) = _both(grads, inv, found)
+    assert fa == fb
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x.isnan(), y.isnan())
+        keep = ~x.isnan()
+        assert torch.equal(x[keep].view(INT[x.dtype]), y[keep].view(INT[y.dtype]))  # bitwise
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bitwise_equal_to_torch_kernel(kernel, dtype, threads) -> None:
+    assert dtype in kernel.dtypes or dtype == torch.float16
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        for inv in FACTORS:
+            grads = [torch.randn(n, generator=gen).mul_(300.0).to(dtype) for n in (1, 7, 31, 1000)]
+            grads += [torch.randn(300_001, generator=gen).to(dtype), _specials(dtype)]
+            _assert_same(grads, inv)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_non_finite_found_anywhere(kernel, dtype, bad) -> None:
+    # first/last element, both sides of the 2-thread split (total 400_010 -> 200_005), a tail
+    sizes = (150_000, 100_003, 150_007)
+    for tensor, pos in [(0, 0), (0, 149_999), (1, 50_004), (1, 50_005), (2, 150_006), (2, 3)]:
+        for inv in (1.0, 0.25):
+            grads = [torch.ones(n, dtype=dtype) for n in sizes]
+            grads[tensor][pos] = bad
+            found = torch.zeros(())
+            _cpukernel.foreach_unscale_(grads, found, torch.tensor(inv))
+            assert found.item() == 1.0, (tensor, pos, inv)
+            rest = torch.cat([g.float() for g in grads])
+            assert int(torch.isfinite(rest).logical_not().sum()) == 1
+            assert (rest[torch.isfinite(rest)] == inv).all()
+    grads = [torch.ones(n, dtype=dtype) for n in sizes]
+    found = torch.zeros(())
+    _cpukernel.foreach_unscale_(grads, found, torch.tensor(0.5))
+    assert found.item() == 0.0
+
+
+def test_found_inf_is_never_cleared(kernel) -> None:
+    grads = [torch.ones(1000)]
+    found = torch.ones(())
+    _cpukernel.foreach_unscale_(grads, found, torch.tensor(0.5))
+    assert found.item() == 1.0 and (grads[0] == 0.5).all()
+
+
+def test_factor_one_leaves_bits_alone(kernel) -> None:
+    # a NaN payload survives: nothing is written when the factor is 1 (check only)
+    g = torch.tensor([0x7FA00001, 0x3F800000], dtype=torch.int32).view(torch.float32)
+    found = torch.zeros(())
+    _cpukernel.foreach_unscale_([g], found, torch.tensor(1.0))
+    assert g.view(torch.int32).tolist() == [0x7FA00001, 0x3F800000] and found.item() == 1.0
+
+
+def test_non_contiguous_and_mixed_lists_fall_back(kernel) -> None:
+    base = torch.randn(64, 64)
+    grads = [base.t(), torch.randn(10), torch.randn(5).to(torch.float64)[:0].float()]
+    grads[1][3] = float("inf")
+    _assert_same(grads, 0.5)
+    # float64 has no compiled path: torch's kernel, same answer
+    _assert_same([torch.randn(100, dtype=torch.float64)], 0.125)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    bits=st.lists(st.integers(-(2**31), 2**31 - 1), min_size=1, max_size=300),
+    inv=st.sampled_from(FACTORS + [2.0**-24, 65504.0]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+)
+def test_any_bit_pattern(bits, inv, dtype) -> None:
+    if not _cpukernel.status().available:
+        pytest.skip("compiled CPU kernel unavailable")
+    raw = torch.tensor(bits, dtype=torch.int32)
+    g = raw.view(torch.float32) if dtype == torch.float32 else raw.to(torch.int16).view(dtype)
+    _assert_same([g, g[: len(g) // 2].clone()], inv)
+
+
+def test_scaler_steps_identical_with_and_without_kernel(monkeypatch) -> None:
+    """Several bf16/fp32 steps with growth and an overflow: same parameters bit for bit."""
+
+    def train() -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(40, 300), torch.nn.Linear(300, 3))
+        model[1].to(torch.bfloat16)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = ShardedGradScaler(init_scale=2.0**10, growth_interval=2)
+        for i in range(6):
+            x = torch.randn(8, 40)
+            loss = model[1](model[0](x).to(torch.bfloat16)).float().pow(2).mean()
+            if i == 3:
+                loss = loss * float("inf")
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        return [p.detach().clone() for p in model.parameters()] + [scaler.get_scale()]
+
+    runs = []
+    for mode in ("1", "0"):
+        monkeypatch.setenv(_cpukernel.ENV, mode)
+        _cpukernel.reset()
+        try:
+            runs.append(train())
+        except _cpukernel.CpuKernelError:
+            pytest.skip("compiled CPU kernel unavailable")
+    _cpukernel.reset()
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+
+
+def test_mode_zero_uses_torch(fresh) -> None:
+    fresh.setenv(_cpukernel.ENV, "0")
+    st_ = _cpukernel.status()
+    assert not st_.available and _cpukernel.ENV in st_.reason
+    _assert_same([torch.randn(100)], 0.5)
+
+
+def test_required_kernel_without_compiler_raises(fresh) -> None:
+    fresh.setenv(_cpukernel.ENV, "1")
+    fresh.setenv("CC", "/nonexistent/cc")
+    with pytest.raises(_cpukernel.CpuKernelError, match="SHARDSCALE_CPU_KERNEL=1.*does not run"):
+        _cpukernel.status()
+
+
+def test_auto_without_compiler_falls_back(fresh, caplog) -> None:
+    fresh.setenv(_cpukernel.ENV, "auto")
+    fresh.setenv("CC", "/nonexistent/cc")
+    with caplog.at_level("INFO", logger="shardscale"):
+        st_ = _cpukernel.status()
+    assert not st_.available and "does not run" in st_.reason
+    assert "using torch's" in caplog.text
+    g = [torch.tensor([1.0, float("inf")])]
+    found = torch.zeros(())
+    _cpukernel.foreach_unscale_(g, found, torch.tensor(0.5))  # torch's kernel
+    assert found.item() == 1.0 and g[0][0].item() == 0.5
+
+
+def test_compiler_error_is_reported(fresh, tmp_path) -> None:
+    fake = tmp_path / "fakecc"
+    fake.write_text(
+        '#!/bin/sh\nif [ "$1" = --version ]; then echo fake 1.0; exit 0; fi\n'
+        "echo 'boom: no openmp' >&2; exit 1\n"
+    )
+    fake.chmod(0o755)
+    fresh.setenv(_cpukernel.ENV, "1")
+    fresh.setenv("CC", str(fake))
+    with pytest.raises(_cpukernel.CpuKernelError, match="boom: no openmp"):
+        _cpukernel.status()
+    assert not list((tmp_path / "cache").glob("*"))  # no half-written library left
+
+
+def test_bad_mode_is_a_clear_error(fresh) -> None:
+    fresh.setenv(_cpukernel.ENV, "yes")
+    with pytest.raises(ValueError, match="'auto'.*'0'.*'1'"):
+        _cpukernel.status()
+
+
+def test_cache_is_reused(fresh, tmp_path) -> None:
+    fresh.setenv(_cpukernel.ENV, "auto")
+    first = _cpukernel.status()
+    if not first.available:
+        pytest.skip(f"compiled CPU kernel unavailable here: {first.reason}")
+    libs = list((tmp_path / "cache").glob("cpukernel-*.so"))
+    assert len(libs) == 1 and str(libs[0]) == first.reason
+    stamp = libs[0].stat().st_mtime_ns
+    _cpukernel.reset()
+    assert _cpukernel.status().reason == first.reason
+    assert libs[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
+    assert list((tmp_path / "cache").glob("*")) == libs  # no temporary files left
