@@ -10,10 +10,20 @@ import pytest
 import torch
 from _dist import run_ranks
 
-from shardscale import ShardedGradScaler
+from shardscale import ShardedGradScaler, _cpukernel
 from shardscale.scaler import OptState
 
 NORMS = [2.0, 1.0, math.inf]
+
+
+@pytest.fixture(autouse=True, params=["auto", "0"], ids=["compiled", "torch-ops"])
+def cpu_kernel(request, monkeypatch):
+    """Every test twice: CPU norms and multiplies by the compiled kernel (where it builds), and
+    by torch's operations (SHARDSCALE_CPU_KERNEL=0: machines without a C compiler)."""
+    monkeypatch.setenv(_cpukernel.ENV, request.param)
+    _cpukernel.reset()
+    yield request.param
+    _cpukernel.reset()
 
 
 def _model(dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Module:

@@ -3,6 +3,7 @@ count and split, and its fallback/selection rules (``SHARDSCALE_CPU_KERNEL``, ca
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import pytest
@@ -235,3 +236,77 @@ def test_cache_is_reused(fresh, tmp_path) -> None:
     assert _cpukernel.status().reason == first.reason
     assert libs[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
     assert list((tmp_path / "cache").glob("*")) == libs  # no temporary files left
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_norms_are_float64_exact(kernel, dtype, threads) -> None:
+    if dtype not in kernel.dtypes:
+        pytest.skip(f"no compiled {dtype} path on this CPU")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(1)
+        grads = [torch.randn(n, generator=gen).to(dtype) for n in (1, 15, 16, 17, 1025, 300_001)]
+        grads.append(_specials(dtype))
+        for p in (2.0, 1.0, math.inf):
+            got = _cpukernel.foreach_norm(grads, p)
+            want = torch.stack([torch.linalg.vector_norm(g.double(), p) for g in grads])
+            assert got is not None and got.dtype == torch.float64
+            if p == math.inf:
+                assert torch.equal(got, want)  # a max is exact
+            else:
+                torch.testing.assert_close(got, want, rtol=1e-13, atol=0)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_norms_of_extreme_values_stay_finite(kernel, dtype) -> None:
+    """Squares of the largest and smallest values neither overflow nor underflow in float64."""
+    if dtype not in kernel.dtypes:
+        pytest.skip(f"no compiled {dtype} path on this CPU")
+    info = torch.finfo(dtype)
+    big = torch.full((1000,), info.max, dtype=dtype)
+    tiny = torch.full((1000,), info.smallest_normal / 8, dtype=dtype)  # subnormal
+    got = _cpukernel.foreach_norm([big, tiny], 2.0)
+    want = [float(info.max) * math.sqrt(1000), float(tiny[0]) * math.sqrt(1000)]
+    assert got is not None
+    assert got.tolist() == pytest.approx(want, rel=1e-15)
+
+
+@pytest.mark.parametrize("p", [2.0, 1.0, math.inf])
+def test_norms_of_non_finite_tensors_are_torchs(kernel, p) -> None:
+    g = [torch.ones(300_000), torch.ones(5), torch.ones(7), torch.ones(9)]
+    g[0][123_456] = float("inf")
+    g[1][0] = float("nan")
+    g[2][1], g[2][2] = float("inf"), float("nan")
+    got = _cpukernel.foreach_norm(g, p)
+    want = torch.stack([torch.linalg.vector_norm(t.double(), p) for t in g])
+    assert got is not None
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
+    assert got[3].item() == want[3].item()
+
+
+def test_norms_not_compiled_return_none(kernel) -> None:
+    x = torch.randn(10, 10)
+    assert _cpukernel.foreach_norm([x.t()], 2.0) is None  # not contiguous
+    assert _cpukernel.foreach_norm([x], 3.0) is None  # p without a compiled path
+    assert _cpukernel.foreach_norm([x.double()], 2.0) is None
+    assert _cpukernel.foreach_norm([], 2.0) is None
+    with _cpukernel.torch_kernel():
+        assert _cpukernel.foreach_norm([x], 2.0) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_foreach_mul_is_torchs_bit_for_bit(kernel, dtype) -> None:
+    gen = torch.Generator().manual_seed(2)
+    for factor in FACTORS:
+        grads = [torch.randn(n, generator=gen).mul_(50).to(dtype) for n in (3, 1000, 200_003)]
+        grads.append(_specials(dtype))
+        a = [g.clone() for g in grads]
+        b = [g.clone() for g in grads]
+        torch._foreach_mul_(a, torch.tensor(factor))
+        _cpukernel.foreach_mul_(b, torch.tensor(factor))
+        for x, y in zip(a, b, strict=True):
+            assert torch.equal(x.view(INT[dtype]), y.view(INT[dtype])), factor

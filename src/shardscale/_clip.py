@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _sync
+from . import _cpukernel, _sync
 from ._grads import grad_values, iter_params, plain_grad
 from ._norm import Buckets as _Buckets
 from ._norm import global_norm as _global_norm
@@ -439,13 +439,17 @@ def _unscale_and_clip(
 
 
 def _mul_all(buckets: _Buckets, factor: torch.Tensor) -> None:
-    """Multiply every gradient in place by the 0-d ``factor`` (one ``_foreach_mul_`` per bucket)."""
+    """Multiply every gradient in place by the 0-d ``factor``: one ``_foreach_mul_`` per bucket
+    (CPU: shardscale's compiled kernel, the same bits)."""
     per_device: dict[torch.device, torch.Tensor] = {}
     for (device, _, _), grads in buckets.items():
         f = per_device.get(device)
         if f is None:
             f = per_device[device] = _sync.to_device(factor, device)
-        torch._foreach_mul_(grads, f)
+        if device.type == "cpu":
+            _cpukernel.foreach_mul_(grads, f)
+        else:
+            torch._foreach_mul_(grads, f)
 
 
 __all__ = ["clip_grad_norm_"]

@@ -12,7 +12,9 @@
  * gets AVX-512 / AVX2 / baseline clones chosen at load time (one binary for every x86-64 CPU).
  * Threads: the caller passes torch.get_num_threads(); small calls run on one thread.
  */
+#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <omp.h>
 
@@ -138,6 +140,15 @@ static int run(int dtype, char *p, int64_t n, float inv, int write) {
 #endif
 }
 
+/* This thread's share [lo, hi) of `total` elements: equal ranges, cut at multiples of `align`. */
+static void thread_range(int64_t total, int64_t align, int64_t *lo, int64_t *hi) {
+  const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+  *lo = total * t / nt;
+  *hi = total * (t + 1) / nt;
+  *lo -= *lo % align;
+  if (t + 1 < nt) *hi -= *hi % align;
+}
+
 /*
  * Multiply the k tensors ptrs[j] (lens[j] elements of one dtype each, contiguous) in place by
  * *inv_scale and set *found_inf = 1.0f if any element is inf or NaN. The elements of all k
@@ -155,10 +166,8 @@ void shardscale_unscale(char **ptrs, const int64_t *lens, int64_t k, int dtype,
   int bad = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1) reduction(| : bad)
   {
-    const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-    int64_t lo = total * t / nt, hi = total * (t + 1) / nt;
-    lo -= lo % align;
-    if (t + 1 < nt) hi -= hi % align;
+    int64_t lo, hi;
+    thread_range(total, align, &lo, &hi);
     int64_t base = 0;
     for (int64_t j = 0; j < k && base < hi; j++) {
       int64_t s = lo > base ? lo - base : 0;
@@ -168,4 +177,161 @@ void shardscale_unscale(char **ptrs, const int64_t *lens, int64_t k, int dtype,
     }
   }
   if (bad) *found_inf = 1.0f;
+}
+
+/* ------------------------------------------------------------------------------------ norms */
+
+/* Elements per block: a bf16/fp16 block is widened to float32 in L1, then accumulated, so each
+ * gradient is read from memory once. A multiple of SS_LANES. */
+#define SS_BLOCK 1024
+#define SS_LANES 32
+
+/*
+ * p = 2 or 1: acc[0..SS_LANES) += x^2 or |x| in float64 over independent lanes: a fixed order
+ * (the same bits on every run with the same thread count), vectorised without reassociation.
+ * x^2 of a float is exact in float64, and no sum of them overflows or underflows there, whatever
+ * the loss scale: the sum is finite exactly when every element is (see norm_value).
+ * p = 0 (inf-norm): macc[l] = max of the magnitude bits (x & 0x7fffffff) as integers, which
+ * order like the floats they encode, inf (0x7f800000) and NaN (above it) included.
+ */
+SS_CLONES static void accumulate(const float *restrict y, int64_t m, int p, double *restrict acc,
+                                 uint32_t *restrict macc) {
+  int64_t i = 0;
+  if (p == 2) {
+    for (; i + SS_LANES <= m; i += SS_LANES)
+      for (int l = 0; l < SS_LANES; l++) acc[l] += (double)y[i + l] * (double)y[i + l];
+    for (; i < m; i++) acc[0] += (double)y[i] * (double)y[i];
+  } else if (p == 1) {
+    for (; i + SS_LANES <= m; i += SS_LANES)
+      for (int l = 0; l < SS_LANES; l++) acc[l] += fabs((double)y[i + l]);
+    for (; i < m; i++) acc[0] += fabs((double)y[i]);
+  } else {
+    for (; i + SS_LANES <= m; i += SS_LANES)
+      for (int l = 0; l < SS_LANES; l++) {
+        uint32_t b;
+        memcpy(&b, &y[i + l], 4);
+        b &= 0x7fffffffu;
+        macc[l] = b > macc[l] ? b : macc[l];
+      }
+    for (; i < m; i++) {
+      uint32_t b;
+      memcpy(&b, &y[i], 4);
+      b &= 0x7fffffffu;
+      macc[0] = b > macc[0] ? b : macc[0];
+    }
+  }
+}
+
+SS_CLONES static void widen_bf16(const uint16_t *restrict y, int64_t m, float *restrict out) {
+  for (int64_t i = 0; i < m; i++) {
+    uint32_t b = (uint32_t)y[i] << 16;
+    memcpy(&out[i], &b, 4);
+  }
+}
+
+#if SS_F16C
+__attribute__((target("avx2,f16c"))) static void widen_f16(const uint16_t *restrict y, int64_t m,
+                                                            float *restrict out) {
+  int64_t i = 0;
+  for (; i + 8 <= m; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(y + i))));
+  for (; i < m; i++) out[i] = _cvtsh_ss(y[i]);
+}
+#elif SS_ARM_FP16
+static void widen_f16(const uint16_t *restrict y, int64_t m, float *restrict out) {
+  const __fp16 *h = (const __fp16 *)y;
+  for (int64_t i = 0; i < m; i++) out[i] = (float)h[i];
+}
+#endif
+
+/* Add one run of n elements into the lanes acc / macc. */
+static void norm_run(int dtype, const char *ptr, int64_t n, int p, double *acc, uint32_t *macc) {
+  float tmp[SS_BLOCK];
+  for (int64_t s = 0; s < n; s += SS_BLOCK) {
+    const int64_t m = n - s < SS_BLOCK ? n - s : SS_BLOCK;
+    if (dtype == SS_F32) {
+      accumulate((const float *)ptr + s, m, p, acc, macc);
+      continue;
+    }
+    const uint16_t *y = (const uint16_t *)ptr + s;
+    if (dtype == SS_BF16) widen_bf16(y, m, tmp);
+#if SS_F16C || SS_ARM_FP16
+    else widen_f16(y, m, tmp);
+#endif
+    accumulate(tmp, m, p, acc, macc);
+  }
+}
+
+/* Does the tensor hold a NaN? (Only asked when its sum is not finite: an overflow step.) */
+static int has_nan(int dtype, const char *ptr, int64_t n) {
+  for (int64_t i = 0; i < n; i++) {
+    if (dtype == SS_F32) {
+      uint32_t b;
+      memcpy(&b, ptr + 4 * i, 4);
+      if ((b & 0x7fffffffu) > 0x7f800000u) return 1;
+    } else {
+      uint16_t h;
+      memcpy(&h, ptr + 2 * i, 2);
+      if ((h & 0x7fff) > (dtype == SS_BF16 ? 0x7f80 : 0x7c00)) return 1;
+    }
+  }
+  return 0;
+}
+
+/*
+ * Per-tensor norms of the k tensors (laid out as for shardscale_unscale), in float64:
+ * out[j] = ||tensor j||_p for p = 2, 1 or 0 (the inf-norm); NaN if the tensor holds a NaN, else
+ * inf if it holds an inf (as torch's norms). Returns 0, or -1 if out of memory (nothing written).
+ */
+int shardscale_norms(char **ptrs, const int64_t *lens, int64_t k, int dtype, int p, double *out,
+                     int num_threads) {
+  int64_t total = 0;
+  for (int64_t j = 0; j < k; j++) total += lens[j];
+  if (num_threads < 1 || total < SS_PARALLEL_MIN) num_threads = 1;
+  /* per thread and tensor: SS_LANES partial lanes (float64 sums, or magnitude bits) */
+  double *part = calloc((size_t)(num_threads * k * SS_LANES), sizeof(double));
+  uint32_t *mpart = calloc((size_t)(num_threads * k * SS_LANES), sizeof(uint32_t));
+  if (part == NULL || mpart == NULL) {
+    free(part);
+    free(mpart);
+    return -1;
+  }
+  const int64_t esize = dtype == SS_F32 ? 4 : 2;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+  {
+    const int64_t t = omp_get_thread_num();
+    int64_t lo, hi;
+    thread_range(total, 64 / esize, &lo, &hi);
+    int64_t base = 0;
+    for (int64_t j = 0; j < k && base < hi; j++) {
+      int64_t s = lo > base ? lo - base : 0;
+      int64_t e = hi - base < lens[j] ? hi - base : lens[j];
+      const int64_t at = (t * k + j) * SS_LANES;
+      if (e > s) norm_run(dtype, ptrs[j] + s * esize, e - s, p, part + at, mpart + at);
+      base += lens[j];
+    }
+  }
+  for (int64_t j = 0; j < k; j++) {
+    double r;
+    if (p == 0) {
+      uint32_t b = 0;
+      for (int64_t l = 0; l < num_threads * SS_LANES; l++) {
+        uint32_t v = mpart[(l / SS_LANES * k + j) * SS_LANES + l % SS_LANES];
+        b = v > b ? v : b;
+      }
+      float f;
+      memcpy(&f, &b, 4);
+      r = b > 0x7f800000u ? NAN : (double)f;
+    } else {
+      r = 0.0;
+      for (int64_t t = 0; t < num_threads; t++)
+        for (int l = 0; l < SS_LANES; l++) r += part[(t * k + j) * SS_LANES + l];
+      if (!isfinite(r)) r = has_nan(dtype, ptrs[j], lens[j]) ? NAN : INFINITY;
+      else if (p == 2) r = sqrt(r);
+    }
+    out[j] = r;
+  }
+  free(part);
+  free(mpart);
+  return 0;
 }

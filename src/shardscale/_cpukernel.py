@@ -24,6 +24,7 @@ import contextlib
 import ctypes
 import hashlib
 import logging
+import math
 import os
 import platform
 import shlex
@@ -69,9 +70,15 @@ class CpuKernelError(RuntimeError):
     """``SHARDSCALE_CPU_KERNEL=1`` but the kernel could not be built or loaded."""
 
 
+@dataclass(frozen=True)
+class _Fns:
+    unscale: Any
+    norms: Any
+
+
 _lock = threading.Lock()
 _forced_torch = False  # set by torch_kernel(): benchmarks compare both kernels in one process
-_loaded: tuple[KernelStatus, Any, frozenset[int]] | None = None
+_loaded: tuple[KernelStatus, _Fns | None, frozenset[int]] | None = None
 
 
 def _mode() -> str:
@@ -157,7 +164,7 @@ def _build() -> Path:
     raise CpuKernelError(f"no writable cache directory (tried {_cache_dir()} and the temp dir)")
 
 
-def _load() -> tuple[KernelStatus, Any, frozenset[int]]:
+def _load() -> tuple[KernelStatus, _Fns | None, frozenset[int]]:
     global _loaded
     if _loaded is not None:
         return _loaded
@@ -191,8 +198,19 @@ def _load() -> tuple[KernelStatus, Any, frozenset[int]]:
             ctypes.c_int,
         ]
         fn.restype = None
+        norms = lib.shardscale_norms
+        norms.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_int,
+        ]
+        norms.restype = ctypes.c_int
         dtypes = tuple(d for d, c in _CODES.items() if c in codes)
-        _loaded = (KernelStatus(True, str(path), dtypes), fn, codes)
+        _loaded = (KernelStatus(True, str(path), dtypes), _Fns(fn, norms), codes)
         return _loaded
 
 
@@ -242,10 +260,10 @@ def foreach_unscale_(
     threads of ``torch.get_num_threads()``), the rest through torch's kernel. Same results as
     torch's kernel bit for bit on every non-NaN element.
     """
-    _, fn, codes = _load()
+    _, fns, codes = _load()
     dtype = grads[0].dtype if grads else None
     if (
-        fn is None
+        fns is None
         or _forced_torch
         or _CODES.get(dtype) not in codes
         or found_inf.dtype != torch.float32
@@ -264,7 +282,7 @@ def foreach_unscale_(
             rest.append(g)
     if ptrs:
         p, n = array("q", ptrs), array("q", lens)
-        fn(
+        fns.unscale(
             p.buffer_info()[0],
             n.buffer_info()[0],
             len(ptrs),
@@ -275,3 +293,47 @@ def foreach_unscale_(
         )
     if rest:
         torch._amp_foreach_non_finite_check_and_unscale_(rest, found_inf, inv_scale)
+
+
+def foreach_mul_(grads: list[torch.Tensor], factor: torch.Tensor) -> None:
+    """``torch._foreach_mul_(grads, factor)`` for CPU tensors of one dtype and a 0-d float32 CPU
+    ``factor``, through the compiled kernel where possible (the same bits: each element widened
+    to float32, multiplied, rounded to nearest-even; nothing written when ``factor`` is 1)."""
+    foreach_unscale_(grads, torch.zeros((), dtype=torch.float32), factor)
+
+
+#: norm_type -> the kernel's code (0: the inf-norm)
+_P_CODES = {2.0: 2, 1.0: 1, math.inf: 0}
+
+
+def foreach_norm(grads: list[torch.Tensor], p: float) -> torch.Tensor | None:
+    """Per-tensor p-norms of CPU tensors of one dtype, computed in float64, or None.
+
+    Returns:
+        A 1-d float64 CPU tensor of ``len(grads)`` norms (NaN for a tensor holding a NaN, else
+        inf for one holding an inf, as torch's norms), from one read of each tensor, all threads
+        of ``torch.get_num_threads()``. Squares are exact in float64 and their sum neither
+        overflows nor underflows there, so a loss scale cannot change the result's finiteness.
+        None when the compiled kernel is not loaded, ``p`` is not 1, 2 or inf, the dtype has no
+        compiled path or a tensor is not contiguous: the caller then uses torch's norms.
+    """
+    _, fns, codes = _load()
+    code = _P_CODES.get(float(p))
+    if fns is None or _forced_torch or code is None or not grads:
+        return None
+    dtype = grads[0].dtype
+    if _CODES.get(dtype) not in codes or not all(g.is_contiguous() for g in grads):
+        return None
+    k = len(grads)
+    ptrs, lens = array("q", [g.data_ptr() for g in grads]), array("q", [g.numel() for g in grads])
+    out = torch.empty(k, dtype=torch.float64)
+    rc = fns.norms(
+        ptrs.buffer_info()[0],
+        lens.buffer_info()[0],
+        k,
+        _CODES[dtype],
+        code,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return out if rc == 0 else None

@@ -16,7 +16,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from . import _sync
+from . import _cpukernel, _sync
 
 #: Elements per chunk when a CPU gradient is reduced in fp32 (fp16 gradients; overflowed scaled
 #: norms): torch's CPU norm with an fp32 ``dtype`` converts its whole input first, so chunks
@@ -95,7 +95,11 @@ def _cpu_norms(
 ) -> torch.Tensor:
     """Per-tensor unscaled norms of CPU gradients, a 1-d ``acc`` tensor.
 
-    Fast paths, each a single read of the gradients with no gradient-sized temporary:
+    p = 1, 2 or inf with shardscale's compiled CPU kernel (:func:`_cpukernel.foreach_norm`):
+    float32/bfloat16/float16 gradients read once, on all threads, summed in float64 (no
+    overflow, underflow or bf16 rounding: the norm of the scaled values times ``inv``, rounded
+    once to ``acc``). Otherwise (no C compiler, other p, float64) torch's operations, with these
+    fast paths, each a single read of the gradients with no gradient-sized temporary:
 
     * fp32/fp64: 2-norms by BLAS dot on the scaled tensor, other norms by ``_foreach_norm``;
     * bf16: ``_foreach_norm`` (torch's CPU kernel accumulates in fp32 and rounds each per-tensor
@@ -109,6 +113,9 @@ def _cpu_norms(
     reading the values costs nothing on the CPU, and neither a large scale (a spurious
     overflow) nor a tiny one (a norm of 0: no clipping) may change the result.
     """
+    fast = _cpukernel.foreach_norm(grads, p)
+    if fast is not None:  # float64: no overflow or underflow to recompute
+        return (fast if inv is None else fast * inv.double()).to(acc)
     dtype = grads[0].dtype
     buf: torch.Tensor | None = None
 
