@@ -4,7 +4,9 @@ count and split, and its fallback/selection rules (``SHARDSCALE_CPU_KERNEL``, ca
 from __future__ import annotations
 
 import math
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,8 +39,8 @@ def kernel(monkeypatch: pytest.MonkeyPatch) -> Iterator[_cpukernel.KernelStatus]
 def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path) -> Iterator[pytest.MonkeyPatch]:
     """An empty kernel cache and a forgotten kernel; restored afterwards."""
     monkeypatch.setenv(_cpukernel.CACHE_ENV, str(tmp_path / "cache"))
-    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # gettempdir() is cached
     _cpukernel.reset()
     yield monkeypatch
     _cpukernel.reset()
@@ -310,3 +312,46 @@ def test_foreach_mul_is_torchs_bit_for_bit(kernel, dtype) -> None:
         _cpukernel.foreach_mul_(b, torch.tensor(factor))
         for x, y in zip(a, b, strict=True):
             assert torch.equal(x.view(INT[dtype]), y.view(INT[dtype])), factor
+
+
+def test_channels_last_gradients_take_the_compiled_path(kernel) -> None:
+    conv = torch.randn(8, 3, 5, 5).to(memory_format=torch.channels_last)
+    conv3d = torch.randn(4, 2, 3, 3, 3).to(memory_format=torch.channels_last_3d)
+    assert not conv.is_contiguous() and not conv3d.is_contiguous()
+    conv[1, 2, 3, 4] = float("nan")
+    _assert_same([conv, conv3d], 0.25)
+    got = _cpukernel.foreach_norm([conv3d], 2.0)
+    assert got is not None  # not None: the compiled path took it
+    torch.testing.assert_close(
+        got[0], torch.linalg.vector_norm(conv3d.double()), rtol=1e-13, atol=0
+    )
+    with _cpukernel.torch_kernel():
+        assert _cpukernel.foreach_norm([conv3d], 2.0) is None
+
+
+def test_a_cache_writable_by_others_is_not_trusted(fresh, tmp_path) -> None:
+    """A library in a group/world-writable cache could have been planted: rebuild elsewhere."""
+    shared = tmp_path / "cache"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    fresh.setenv(_cpukernel.ENV, "auto")
+    st_ = _cpukernel.status()
+    if not st_.available:
+        pytest.skip(f"compiled CPU kernel unavailable here: {st_.reason}")
+    assert not st_.reason.startswith(str(shared))  # built in the private temp dir instead
+    assert not list(shared.glob("*.so"))
+    lib = Path(st_.reason)
+    assert lib.parent == tmp_path / "tmp" / f"shardscale-{_cpukernel._uid()}"
+    # a cached library that others can write is rebuilt (a new file replaces it), not loaded
+    lib.chmod(0o666)
+    inode = lib.stat().st_ino
+    _cpukernel.reset()
+    assert _cpukernel.status().reason == str(lib)
+    assert lib.stat().st_ino != inode and not lib.stat().st_mode & 0o022
+    # no private location at all: a clear error when the kernel is required
+    lib.unlink()
+    lib.parent.chmod(0o777)
+    _cpukernel.reset()
+    fresh.setenv(_cpukernel.ENV, "1")
+    with pytest.raises(_cpukernel.CpuKernelError, match="private writable cache"):
+        _cpukernel.status()

@@ -107,11 +107,27 @@ def _compiler() -> list[str] | None:
     return None
 
 
+def _uid() -> int:
+    return os.getuid() if hasattr(os, "getuid") else 0
+
+
+def _private(path: Path) -> bool:
+    """Owned by this user and not writable by others: safe to load a library from (POSIX)."""
+    if not hasattr(os, "getuid"):
+        return True
+    st = path.stat()
+    return st.st_uid == os.getuid() and not st.st_mode & 0o022
+
+
 def _build() -> Path:
     """Compile ``_cpukernel.c`` (or find it in the cache); return the shared library's path.
 
+    A cache directory or library owned by another user, or writable by others, is never used
+    (a shared temp dir could otherwise plant a library).
+
     Raises:
-        CpuKernelError: no C compiler, or it failed (its output is in the message).
+        CpuKernelError: no C compiler, it failed (its output is in the message), or no usable
+            cache directory.
     """
     cc = _compiler()
     if cc is None:
@@ -135,19 +151,21 @@ def _build() -> Path:
             ]
         )
     ).hexdigest()[:16]
-    for cache in (
-        _cache_dir(),
-        Path(tempfile.gettempdir()) / f"shardscale-{getattr(os, 'getuid', lambda: 0)()}",
-    ):
+    for cache in (_cache_dir(), Path(tempfile.gettempdir()) / f"shardscale-{_uid()}"):
         lib = cache / f"cpukernel-{key}.so"
-        if lib.exists():
-            return lib
         try:
-            cache.mkdir(parents=True, exist_ok=True)
+            cache.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError:
+            continue  # not writable: try the next one
+        if not _private(cache):
+            continue  # another user could plant a library there (e.g. in /tmp)
+        if lib.exists() and _private(lib):
+            return lib  # (one that others could write is rebuilt: replaced by a new file)
+        try:
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
             os.close(fd)
         except OSError:
-            continue  # cache not writable: try the next one
+            continue
         try:
             done = subprocess.run(
                 [*cc, *_FLAGS, str(_SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300
@@ -161,7 +179,10 @@ def _build() -> Path:
             if os.path.exists(tmp):
                 os.unlink(tmp)
         return lib
-    raise CpuKernelError(f"no writable cache directory (tried {_cache_dir()} and the temp dir)")
+    raise CpuKernelError(
+        f"no private writable cache directory (tried {_cache_dir()} and the temp dir; "
+        f"set ${CACHE_ENV})"
+    )
 
 
 def _load() -> tuple[KernelStatus, _Fns | None, frozenset[int]]:
@@ -244,6 +265,17 @@ def torch_kernel() -> Iterator[None]:
         _forced_torch = before
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill ``numel`` consecutive slots from ``data_ptr()`` (contiguous or
+    channels-last: an elementwise kernel or a norm may then treat it as one flat array)."""
+    return t.is_contiguous() or (
+        t.dim() in (4, 5)
+        and t.is_contiguous(
+            memory_format=torch.channels_last if t.dim() == 4 else torch.channels_last_3d
+        )
+    )
+
+
 def foreach_unscale_(
     grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
 ) -> None:
@@ -256,7 +288,7 @@ def foreach_unscale_(
         found_inf: 0-d float32 CPU tensor; set to 1.0 if any element is inf or NaN, else left.
         inv_scale: 0-d float32 CPU tensor.
 
-    Contiguous float32/bfloat16/float16 tensors go through the compiled kernel (one call, all
+    Contiguous (or channels-last) float32/bfloat16/float16 tensors go through the compiled kernel (one call, all
     threads of ``torch.get_num_threads()``), the rest through torch's kernel. Same results as
     torch's kernel bit for bit on every non-NaN element.
     """
@@ -275,7 +307,7 @@ def foreach_unscale_(
     lens: list[int] = []
     rest: list[torch.Tensor] = []
     for g in grads:
-        if g.is_contiguous():  # (a negated view is fine: -(v * f) == (-v) * f exactly)
+        if _dense(g):  # (a negated view is fine: -(v * f) == (-v) * f exactly)
             ptrs.append(g.data_ptr())
             lens.append(g.numel())
         else:
@@ -315,14 +347,14 @@ def foreach_norm(grads: list[torch.Tensor], p: float) -> torch.Tensor | None:
         of ``torch.get_num_threads()``. Squares are exact in float64 and their sum neither
         overflows nor underflows there, so a loss scale cannot change the result's finiteness.
         None when the compiled kernel is not loaded, ``p`` is not 1, 2 or inf, the dtype has no
-        compiled path or a tensor is not contiguous: the caller then uses torch's norms.
+        compiled path or a tensor is not dense (contiguous or channels-last): the caller then uses torch's norms.
     """
     _, fns, codes = _load()
     code = _P_CODES.get(float(p))
     if fns is None or _forced_torch or code is None or not grads:
         return None
     dtype = grads[0].dtype
-    if _CODES.get(dtype) not in codes or not all(g.is_contiguous() for g in grads):
+    if _CODES.get(dtype) not in codes or not all(_dense(g) for g in grads):
         return None
     k = len(grads)
     ptrs, lens = array("q", [g.data_ptr() for g in grads]), array("q", [g.numel() for g in grads])
