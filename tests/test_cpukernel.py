@@ -4,6 +4,7 @@ count and split, and its fallback/selection rules (``SHARDSCALE_CPU_KERNEL``, ca
 from __future__ import annotations
 
 import math
+import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -355,3 +356,109 @@ def test_a_cache_writable_by_others_is_not_trusted(fresh, tmp_path) -> None:
     fresh.setenv(_cpukernel.ENV, "1")
     with pytest.raises(_cpukernel.CpuKernelError, match="private writable cache"):
         _cpukernel.status()
+
+
+def test_tensor_subclass_gradients_go_to_torch(kernel) -> None:
+    """A wrapper subclass's data_ptr() is not its data (0 here): never handed to the kernel."""
+    two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
+    results = []
+    for mode in ("auto", "0"):
+        os.environ[_cpukernel.ENV] = mode
+        _cpukernel.reset()
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(two_tensor.TwoTensor(torch.randn(4, 4), torch.randn(4, 4)))
+        scaler = ShardedGradScaler(init_scale=8.0)
+        scaler.scale((w * 2).sum()).backward()
+        assert type(w.grad).__name__ == "TwoTensor"
+        opt = torch.optim.SGD([w], lr=0.1)
+        scaler.step(opt)
+        scaler.update()
+        results.append(w.detach().a.clone())
+        assert _cpukernel.foreach_norm([w.grad], 2.0) is None
+    os.environ[_cpukernel.ENV] = "auto"
+    assert torch.equal(results[0], results[1])
+
+
+def test_mixed_dtypes_duplicates_and_misaligned_tensors_match_torch(kernel) -> None:
+    a = torch.randn(300_000)
+    mixed = [torch.randn(1000), torch.randn(1000).to(torch.bfloat16), a, a]  # a listed twice
+    buf = torch.zeros(4 * 1001, dtype=torch.uint8)
+    odd = torch.frombuffer(buf.numpy(), dtype=torch.float32, count=1000, offset=2)  # misaligned
+    odd.copy_(torch.randn(1000))
+    for factor in (0.5, 3.0):
+        _assert_same(mixed + [odd], factor)
+        (x, _), (y, _) = _both([a, a], factor)  # the same memory twice: applied twice, in order
+        assert torch.equal(x[0], y[0])
+    got = _cpukernel.foreach_norm([a, a], 2.0)  # reading twice is fine
+    assert got is not None and got[0].item() == got[1].item()
+    assert _cpukernel.foreach_norm([torch.randn(10), torch.randn(10).double()], 2.0) is None
+
+
+def test_foreach_mul_bumps_versions_like_torch(kernel) -> None:
+    a, b = torch.randn(1000), torch.randn(1000)
+    va, vb = a._version, b._version
+    torch._foreach_mul_([a], torch.tensor(0.5))
+    _cpukernel.foreach_mul_([b], torch.tensor(0.5))
+    assert a._version - va == 1 and b._version - vb >= 1
+    c = torch.randn(1000)  # the unscale kernel, like torch's amp kernel, leaves versions alone
+    vc = c._version
+    _cpukernel.foreach_unscale_([c], torch.zeros(()), torch.tensor(0.5))
+    assert c._version == vc
+
+
+@pytest.mark.parametrize("threads", [3, 7])
+def test_norms_with_more_threads_than_cores_and_many_tensors(kernel, threads) -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(3)
+        sizes = [1] * 40 + [150_000, 3, 150_000, 7, 100_000] + [16] * 500
+        grads = [torch.randn(n, generator=gen) for n in sizes]
+        for p in (2.0, 1.0, math.inf):
+            got = _cpukernel.foreach_norm(grads, p)
+            want = torch.stack([torch.linalg.vector_norm(g.double(), p) for g in grads])
+            assert got is not None
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+            assert torch.equal(got, _cpukernel.foreach_norm(grads, p))  # the same bits again
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_no_home_directory_falls_back_to_the_temp_dir(fresh, tmp_path) -> None:
+    fresh.delenv(_cpukernel.CACHE_ENV)
+    fresh.delenv("XDG_CACHE_HOME", raising=False)
+
+    def no_home() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    fresh.setattr(Path, "home", staticmethod(no_home))
+    fresh.setenv(_cpukernel.ENV, "auto")
+    st_ = _cpukernel.status()
+    if st_.available:
+        assert Path(st_.reason).parent == tmp_path / "tmp" / f"shardscale-{_cpukernel._uid()}"
+    assert "Could not determine" not in st_.reason
+
+
+def test_a_symlink_in_the_shared_temp_dir_is_refused(fresh, tmp_path) -> None:
+    (tmp_path / "cache").mkdir(mode=0o777)
+    (tmp_path / "cache").chmod(0o777)  # the user's cache is unusable: only the temp dir is left
+    target = tmp_path / "elsewhere"
+    target.mkdir(mode=0o700)
+    (tmp_path / "tmp" / f"shardscale-{_cpukernel._uid()}").symlink_to(target)
+    fresh.setenv(_cpukernel.ENV, "1")
+    with pytest.raises(_cpukernel.CpuKernelError, match="private writable cache"):
+        _cpukernel.status()
+    assert not list(target.iterdir())
+
+
+def test_a_compiler_that_hangs_times_out_into_torchs_kernel(fresh, tmp_path) -> None:
+    slow = tmp_path / "slowcc"
+    slow.write_text(
+        '#!/bin/sh\nif [ "$1" = --version ]; then echo slow 1.0; exit 0; fi\nexec sleep 30\n'
+    )
+    slow.chmod(0o755)
+    fresh.setenv("CC", str(slow))
+    fresh.setattr(_cpukernel, "_BUILD_TIMEOUT_S", 1)
+    fresh.setenv(_cpukernel.ENV, "auto")
+    st_ = _cpukernel.status()
+    assert not st_.available and "timed out" in st_.reason

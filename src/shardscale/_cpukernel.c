@@ -19,7 +19,11 @@
 #include <omp.h>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__)
+#if __GNUC__ >= 11
 #define SS_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define SS_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
 #define SS_F16C 1
 #include <immintrin.h>
 #else
@@ -152,7 +156,9 @@ static void thread_range(int64_t total, int64_t align, int64_t *lo, int64_t *hi)
 /*
  * Multiply the k tensors ptrs[j] (lens[j] elements of one dtype each, contiguous) in place by
  * *inv_scale and set *found_inf = 1.0f if any element is inf or NaN. The elements of all k
- * tensors are split into equal, cache-line aligned ranges, one per thread (one parallel region).
+ * tensors, counted end to end, are split into equal ranges cut at multiples of 64 bytes' worth of
+ * elements, one per thread (one parallel region). The tensors must not overlap (a range could
+ * then be written by two threads): the caller passes each memory block once.
  */
 void shardscale_unscale(char **ptrs, const int64_t *lens, int64_t k, int dtype,
                         const float *inv_scale, float *found_inf, int num_threads) {
@@ -244,8 +250,16 @@ static void widen_f16(const uint16_t *restrict y, int64_t m, float *restrict out
 }
 #endif
 
-/* Add one run of n elements into the lanes acc / macc. */
-static void norm_run(int dtype, const char *ptr, int64_t n, int p, double *acc, uint32_t *macc) {
+/* The norm piece of one run of n elements: sum x^2 / sum |x| in float64, or (p = 0) the largest
+ * magnitude bits. Lanes are reduced in a fixed order. */
+typedef union {
+  double sum;
+  uint32_t max_bits;
+} piece_t;
+
+static piece_t norm_run(int dtype, const char *ptr, int64_t n, int p) {
+  double acc[SS_LANES] = {0};
+  uint32_t macc[SS_LANES] = {0};
   float tmp[SS_BLOCK];
   for (int64_t s = 0; s < n; s += SS_BLOCK) {
     const int64_t m = n - s < SS_BLOCK ? n - s : SS_BLOCK;
@@ -260,6 +274,21 @@ static void norm_run(int dtype, const char *ptr, int64_t n, int p, double *acc, 
 #endif
     accumulate(tmp, m, p, acc, macc);
   }
+  piece_t r;
+  if (p == 0) {
+    r.max_bits = 0;
+    for (int l = 0; l < SS_LANES; l++) r.max_bits = macc[l] > r.max_bits ? macc[l] : r.max_bits;
+  } else {
+    r.sum = 0.0;
+    for (int l = 0; l < SS_LANES; l++) r.sum += acc[l];
+  }
+  return r;
+}
+
+static piece_t combine(piece_t a, piece_t b, int p) {
+  if (p == 0) a.max_bits = b.max_bits > a.max_bits ? b.max_bits : a.max_bits;
+  else a.sum += b.sum;
+  return a;
 }
 
 /* Does the tensor hold a NaN? (Only asked when its sum is not finite: an overflow step.) */
@@ -282,20 +311,26 @@ static int has_nan(int dtype, const char *ptr, int64_t n) {
  * Per-tensor norms of the k tensors (laid out as for shardscale_unscale), in float64:
  * out[j] = ||tensor j||_p for p = 2, 1 or 0 (the inf-norm); NaN if the tensor holds a NaN, else
  * inf if it holds an inf (as torch's norms). Returns 0, or -1 if out of memory (nothing written).
+ *
+ * A tensor inside one thread's range is reduced by that thread alone; the (at most two) tensors
+ * a thread shares with its neighbours leave a piece in that thread's two edge slots, added in
+ * thread order afterwards: O(k + threads) scratch, the same bits on every run.
  */
 int shardscale_norms(char **ptrs, const int64_t *lens, int64_t k, int dtype, int p, double *out,
                      int num_threads) {
   int64_t total = 0;
   for (int64_t j = 0; j < k; j++) total += lens[j];
   if (num_threads < 1 || total < SS_PARALLEL_MIN) num_threads = 1;
-  /* per thread and tensor: SS_LANES partial lanes (float64 sums, or magnitude bits) */
-  double *part = calloc((size_t)(num_threads * k * SS_LANES), sizeof(double));
-  uint32_t *mpart = calloc((size_t)(num_threads * k * SS_LANES), sizeof(uint32_t));
-  if (part == NULL || mpart == NULL) {
-    free(part);
-    free(mpart);
+  piece_t *whole = calloc((size_t)k, sizeof(piece_t));
+  int64_t *edge_j = malloc(sizeof(int64_t) * 2 * (size_t)num_threads);
+  piece_t *edge = calloc(2 * (size_t)num_threads, sizeof(piece_t));
+  if (whole == NULL || edge_j == NULL || edge == NULL) {
+    free(whole);
+    free(edge_j);
+    free(edge);
     return -1;
   }
+  for (int64_t i = 0; i < 2 * (int64_t)num_threads; i++) edge_j[i] = -1;
   const int64_t esize = dtype == SS_F32 ? 4 : 2;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
   {
@@ -306,32 +341,38 @@ int shardscale_norms(char **ptrs, const int64_t *lens, int64_t k, int dtype, int
     for (int64_t j = 0; j < k && base < hi; j++) {
       int64_t s = lo > base ? lo - base : 0;
       int64_t e = hi - base < lens[j] ? hi - base : lens[j];
-      const int64_t at = (t * k + j) * SS_LANES;
-      if (e > s) norm_run(dtype, ptrs[j] + s * esize, e - s, p, part + at, mpart + at);
+      if (e > s) {
+        piece_t r = norm_run(dtype, ptrs[j] + s * esize, e - s, p);
+        if (s == 0 && e == lens[j]) {
+          whole[j] = r; /* nobody else touches tensor j */
+        } else {
+          /* a shared tensor: at the start (s > 0) or the end (e < len) of this thread's range */
+          const int slot = s > 0 ? 0 : 1;
+          edge_j[2 * t + slot] = j;
+          edge[2 * t + slot] = r;
+        }
+      }
       base += lens[j];
     }
   }
+  for (int64_t i = 0; i < 2 * (int64_t)num_threads; i++)
+    if (edge_j[i] >= 0) whole[edge_j[i]] = combine(whole[edge_j[i]], edge[i], p);
   for (int64_t j = 0; j < k; j++) {
     double r;
     if (p == 0) {
-      uint32_t b = 0;
-      for (int64_t l = 0; l < num_threads * SS_LANES; l++) {
-        uint32_t v = mpart[(l / SS_LANES * k + j) * SS_LANES + l % SS_LANES];
-        b = v > b ? v : b;
-      }
+      const uint32_t b = whole[j].max_bits;
       float f;
       memcpy(&f, &b, 4);
       r = b > 0x7f800000u ? NAN : (double)f;
     } else {
-      r = 0.0;
-      for (int64_t t = 0; t < num_threads; t++)
-        for (int l = 0; l < SS_LANES; l++) r += part[(t * k + j) * SS_LANES + l];
+      r = whole[j].sum;
       if (!isfinite(r)) r = has_nan(dtype, ptrs[j], lens[j]) ? NAN : INFINITY;
       else if (p == 2) r = sqrt(r);
     }
     out[j] = r;
   }
-  free(part);
-  free(mpart);
+  free(whole);
+  free(edge_j);
+  free(edge);
   return 0;
 }

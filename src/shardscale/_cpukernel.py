@@ -8,8 +8,9 @@ over the same bytes (BENCHMARKS.md), with the same results bit for bit (NaN payl
 
 It is built at first use with the system C compiler (``$CC``, else ``cc``/``gcc``/``clang``) and
 OpenMP, about 0.5 s, and cached in ``$SHARDSCALE_CACHE_DIR`` (default
-``$XDG_CACHE_HOME/shardscale`` or ``~/.cache/shardscale``) under a hash of the source, the
-compiler's version and the platform. x86-64 builds carry AVX-512, AVX2 and baseline clones picked
+``$XDG_CACHE_HOME/shardscale`` or ``~/.cache/shardscale``; else ``<tmp>/shardscale-<uid>``)
+under a hash of the source, the compiler's version and the platform. A directory or library
+that another user owns or could write (or, in the temp dir, a symlink) is never used. x86-64 builds carry AVX-512, AVX2 and baseline clones picked
 at load time, so a cache shared between machines is safe. On Linux the library binds to the
 OpenMP runtime torch already loaded (``libgomp.so.1``), so both share one thread pool.
 
@@ -29,6 +30,7 @@ import os
 import platform
 import shlex
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -46,8 +48,10 @@ logger = logging.getLogger("shardscale")
 ENV = "SHARDSCALE_CPU_KERNEL"
 CACHE_ENV = "SHARDSCALE_CACHE_DIR"
 _SOURCE = Path(__file__).with_name("_cpukernel.c")
-_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
+#: -fno-fast-math last: a $CC carrying -Ofast/-ffast-math must not drop the NaN tests
+_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-fno-fast-math")
 _CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_BUILD_TIMEOUT_S = 300
 
 
 @dataclass(frozen=True)
@@ -88,12 +92,25 @@ def _mode() -> str:
     return mode
 
 
-def _cache_dir() -> Path:
+def _cache_dirs() -> list[tuple[Path, bool]]:
+    """Where to keep the library, in order: ``(directory, in a shared parent)``. The user's cache
+    (``$SHARDSCALE_CACHE_DIR``, else ``$XDG_CACHE_HOME/shardscale``, else
+    ``~/.cache/shardscale``; skipped without a home directory), then ``<tmp>/shardscale-<uid>``,
+    whose parent others can write (no symlink accepted there)."""
+    dirs: list[tuple[Path, bool]] = []
     explicit = os.environ.get(CACHE_ENV)
-    if explicit:
-        return Path(explicit)
     xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "shardscale"
+    if explicit:
+        dirs.append((Path(explicit), False))
+    elif xdg:
+        dirs.append((Path(xdg) / "shardscale", False))
+    else:
+        try:
+            dirs.append((Path.home() / ".cache" / "shardscale", False))
+        except (RuntimeError, KeyError):  # no $HOME and no passwd entry (containers)
+            pass
+    dirs.append((Path(tempfile.gettempdir()) / f"shardscale-{_uid()}", True))
+    return dirs
 
 
 def _compiler() -> list[str] | None:
@@ -111,11 +128,15 @@ def _uid() -> int:
     return os.getuid() if hasattr(os, "getuid") else 0
 
 
-def _private(path: Path) -> bool:
-    """Owned by this user and not writable by others: safe to load a library from (POSIX)."""
+def _private(path: Path, shared_parent: bool) -> bool:
+    """Owned by this user and not writable by group or others, so nobody else can have planted
+    or can change a library there (POSIX; always True elsewhere). In a shared parent (the temp
+    dir) a symlink is refused: another user could have made it, and could re-point it."""
     if not hasattr(os, "getuid"):
         return True
-    st = path.stat()
+    st = path.lstat() if shared_parent else path.stat()
+    if stat.S_ISLNK(st.st_mode):
+        return False
     return st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
@@ -151,25 +172,28 @@ def _build() -> Path:
             ]
         )
     ).hexdigest()[:16]
-    for cache in (_cache_dir(), Path(tempfile.gettempdir()) / f"shardscale-{_uid()}"):
+    for cache, shared in _cache_dirs():
         lib = cache / f"cpukernel-{key}.so"
         try:
             cache.mkdir(mode=0o700, parents=True, exist_ok=True)
-        except OSError:
-            continue  # not writable: try the next one
-        if not _private(cache):
-            continue  # another user could plant a library there (e.g. in /tmp)
-        if lib.exists() and _private(lib):
-            return lib  # (one that others could write is rebuilt: replaced by a new file)
-        try:
+            if not _private(cache, shared):
+                continue  # another user could plant a library there (e.g. in /tmp)
+            if lib.exists() and _private(lib, True):
+                return lib  # (one that others could write is rebuilt: replaced by a new file)
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
             os.close(fd)
         except OSError:
-            continue
+            continue  # not writable: try the next one
         try:
-            done = subprocess.run(
-                [*cc, *_FLAGS, str(_SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300
-            )
+            try:
+                done = subprocess.run(
+                    [*cc, *_FLAGS, str(_SOURCE), "-o", tmp],
+                    capture_output=True,
+                    text=True,
+                    timeout=_BUILD_TIMEOUT_S,
+                )
+            except (OSError, subprocess.SubprocessError) as e:  # e.g. TimeoutExpired
+                raise CpuKernelError(f"{shlex.join([*cc, *_FLAGS])} failed: {e}") from e
             if done.returncode != 0:
                 raise CpuKernelError(
                     f"{shlex.join([*cc, *_FLAGS])} failed:\n{(done.stderr or done.stdout).strip()}"
@@ -180,7 +204,7 @@ def _build() -> Path:
                 os.unlink(tmp)
         return lib
     raise CpuKernelError(
-        f"no private writable cache directory (tried {_cache_dir()} and the temp dir; "
+        f"no private writable cache directory (tried {[str(d) for d, _ in _cache_dirs()]}; "
         f"set ${CACHE_ENV})"
     )
 
@@ -199,7 +223,7 @@ def _load() -> tuple[KernelStatus, _Fns | None, frozenset[int]]:
         try:
             path = _build()
             lib = ctypes.CDLL(str(path))
-        except (CpuKernelError, OSError) as e:
+        except Exception as e:  # auto: anything that stops the build means torch's kernels
             if mode == "1":
                 raise CpuKernelError(f"{ENV}=1 but the CPU kernel is unavailable: {e}") from e
             logger.info("shardscale: compiled CPU kernel unavailable, using torch's: %s", e)
@@ -276,22 +300,39 @@ def _dense(t: torch.Tensor) -> bool:
     )
 
 
-def foreach_unscale_(
-    grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
-) -> None:
-    """``torch._amp_foreach_non_finite_check_and_unscale_`` for CPU tensors, compiled where possible.
+def _flat(
+    grads: list[torch.Tensor], dtype: torch.dtype, writes: bool
+) -> tuple[array, array, list[torch.Tensor], list[torch.Tensor]]:
+    """Split ``grads`` into what the kernel may treat as flat arrays of ``dtype`` and the rest.
 
-    Args:
-        grads: CPU tensors, all of one floating dtype (the caller's bucket guarantees both, and
-            they are not checked again here); multiplied by ``inv_scale`` in place (not
-            written at all when it is 1.0).
-        found_inf: 0-d float32 CPU tensor; set to 1.0 if any element is inf or NaN, else left.
-        inv_scale: 0-d float32 CPU tensor.
-
-    Contiguous (or channels-last) float32/bfloat16/float16 tensors go through the compiled kernel (one call, all
-    threads of ``torch.get_num_threads()``), the rest through torch's kernel. Same results as
-    torch's kernel bit for bit on every non-NaN element.
+    Returns ``(pointers, lengths, taken, rest)``. Taken: plain CPU tensors (not subclasses: a
+    wrapper's ``data_ptr()`` is not its data) of exactly ``dtype``, dense, non-empty and aligned
+    to their element size; when ``writes``, each memory block once (a second tensor on the
+    same memory goes to ``rest`` and is handled after the kernel, in order, as torch would).
     """
+    esize = 4 if dtype == torch.float32 else 2
+    ptrs: list[int] = []
+    lens: list[int] = []
+    taken: list[torch.Tensor] = []
+    rest: list[torch.Tensor] = []
+    seen: set[int] = set()
+    for g in grads:
+        if type(g) is torch.Tensor and g.dtype is dtype and g.is_cpu and _dense(g):
+            ptr = g.data_ptr()
+            if ptr and not ptr % esize and not (writes and ptr in seen):
+                seen.add(ptr)
+                ptrs.append(ptr)
+                lens.append(g.numel())
+                taken.append(g)
+                continue
+        rest.append(g)
+    return array("q", ptrs), array("q", lens), taken, rest
+
+
+def _unscale(
+    grads: list[torch.Tensor], found_inf: torch.Tensor, factor: torch.Tensor
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Run the compiled unscale on what it can take; return ``(taken, rest)``."""
     _, fns, codes = _load()
     dtype = grads[0].dtype if grads else None
     if (
@@ -299,39 +340,60 @@ def foreach_unscale_(
         or _forced_torch
         or _CODES.get(dtype) not in codes
         or found_inf.dtype != torch.float32
-        or inv_scale.dtype != torch.float32
+        or factor.dtype != torch.float32
+        or not (found_inf.is_cpu and factor.is_cpu)
     ):
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
-        return
-    ptrs: list[int] = []
-    lens: list[int] = []
-    rest: list[torch.Tensor] = []
-    for g in grads:
-        if _dense(g):  # (a negated view is fine: -(v * f) == (-v) * f exactly)
-            ptrs.append(g.data_ptr())
-            lens.append(g.numel())
-        else:
-            rest.append(g)
-    if ptrs:
-        p, n = array("q", ptrs), array("q", lens)
+        return [], grads
+    ptrs, lens, taken, rest = _flat(grads, dtype, writes=True)
+    if taken:
         fns.unscale(
-            p.buffer_info()[0],
-            n.buffer_info()[0],
-            len(ptrs),
+            ptrs.buffer_info()[0],
+            lens.buffer_info()[0],
+            len(taken),
             _CODES[dtype],
-            inv_scale.data_ptr(),
+            factor.data_ptr(),
             found_inf.data_ptr(),
             torch.get_num_threads(),
         )
+    return taken, rest
+
+
+def foreach_unscale_(
+    grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
+) -> None:
+    """``torch._amp_foreach_non_finite_check_and_unscale_`` for CPU tensors, compiled where possible.
+
+    Args:
+        grads: CPU tensors of a floating dtype; multiplied by ``inv_scale`` in place (not
+            written at all when it is 1.0).
+        found_inf: 0-d float32 CPU tensor; set to 1.0 if any element is inf or NaN, else left.
+        inv_scale: 0-d float32 CPU tensor.
+
+    Dense (contiguous or channels-last) plain tensors of the first tensor's dtype, float32,
+    bfloat16 or float16, go through the compiled kernel (one call, all threads of
+    ``torch.get_num_threads()``), the rest (subclasses, other layouts and dtypes) through torch's
+    kernel. Same results as torch's kernel bit for bit on every non-NaN element; like it, the
+    tensors' version counters are left alone.
+    """
+    _, rest = _unscale(grads, found_inf, inv_scale)
     if rest:
         torch._amp_foreach_non_finite_check_and_unscale_(rest, found_inf, inv_scale)
 
 
 def foreach_mul_(grads: list[torch.Tensor], factor: torch.Tensor) -> None:
-    """``torch._foreach_mul_(grads, factor)`` for CPU tensors of one dtype and a 0-d float32 CPU
-    ``factor``, through the compiled kernel where possible (the same bits: each element widened
-    to float32, multiplied, rounded to nearest-even; nothing written when ``factor`` is 1)."""
-    foreach_unscale_(grads, torch.zeros((), dtype=torch.float32), factor)
+    """``torch._foreach_mul_(grads, factor)`` for CPU tensors and a 0-d float32 CPU ``factor``,
+    through the compiled kernel where possible: the same bits (each element widened to float32,
+    multiplied, rounded to nearest-even; nothing written when ``factor`` is 1) and, as torch's,
+    the tensors' version counters bumped. The rest goes through ``torch._foreach_mul_``."""
+    taken, rest = _unscale(grads, torch.zeros((), dtype=torch.float32), factor)
+    if taken:
+        try:
+            torch.autograd.graph.increment_version(taken)
+        except TypeError:  # torch < 2.8 takes one tensor at a time
+            for t in taken:
+                torch.autograd.graph.increment_version(t)
+    if rest:
+        torch._foreach_mul_(rest, factor)
 
 
 #: norm_type -> the kernel's code (0: the inf-norm)
@@ -347,17 +409,20 @@ def foreach_norm(grads: list[torch.Tensor], p: float) -> torch.Tensor | None:
         of ``torch.get_num_threads()``. Squares are exact in float64 and their sum neither
         overflows nor underflows there, so a loss scale cannot change the result's finiteness.
         None when the compiled kernel is not loaded, ``p`` is not 1, 2 or inf, the dtype has no
-        compiled path or a tensor is not dense (contiguous or channels-last): the caller then uses torch's norms.
+        compiled path or a tensor is not one the kernel takes (plain, dense, aligned, non-empty,
+        of the first one's dtype): the caller then uses torch's norms.
     """
     _, fns, codes = _load()
     code = _P_CODES.get(float(p))
     if fns is None or _forced_torch or code is None or not grads:
         return None
     dtype = grads[0].dtype
-    if _CODES.get(dtype) not in codes or not all(_dense(g) for g in grads):
+    if _CODES.get(dtype) not in codes:
         return None
-    k = len(grads)
-    ptrs, lens = array("q", [g.data_ptr() for g in grads]), array("q", [g.numel() for g in grads])
+    ptrs, lens, taken, rest = _flat(grads, dtype, writes=False)
+    if rest:
+        return None
+    k = len(taken)
     out = torch.empty(k, dtype=torch.float64)
     rc = fns.norms(
         ptrs.buffer_info()[0],
