@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shardscale import ShardedGradScaler, _cpukernel
@@ -23,6 +23,13 @@ INT = {
     torch.float64: torch.int64,
 }
 FACTORS = [1.0, 0.5, 2.0**-16, 1 / 3, 3.7e-3, 7.0, 1e30, 2.0**-140]
+
+
+@pytest.fixture(autouse=True)
+def every_size_compiled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Writes to tensors of any size go through the compiled kernel here (by default tensors
+    under ``_SMALL`` elements stay with torch's kernel), so tails and tiny tensors are tested."""
+    monkeypatch.setattr(_cpukernel, "_SMALL", 0)
 
 
 @pytest.fixture
@@ -133,7 +140,9 @@ def test_non_contiguous_and_mixed_lists_fall_back(kernel) -> None:
     _assert_same([torch.randn(100, dtype=torch.float64)], 0.125)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     bits=st.lists(st.integers(-(2**31), 2**31 - 1), min_size=1, max_size=300),
     inv=st.sampled_from(FACTORS + [2.0**-24, 65504.0]),
@@ -462,3 +471,13 @@ def test_a_compiler_that_hangs_times_out_into_torchs_kernel(fresh, tmp_path) -> 
     fresh.setenv(_cpukernel.ENV, "auto")
     st_ = _cpukernel.status()
     assert not st_.available and "timed out" in st_.reason
+
+
+def test_small_tensors_stay_with_torchs_kernel(kernel, monkeypatch) -> None:
+    monkeypatch.setattr(_cpukernel, "_SMALL", 8192)
+    small, big = torch.randn(100), torch.randn(10_000)
+    _, _, taken, rest = _cpukernel._flat([small, big], torch.float32, writes=True)
+    assert taken == [big] and rest == [small]
+    _assert_same([small, big], 0.5)
+    _, _, taken, rest = _cpukernel._flat([small, big], torch.float32, writes=False)
+    assert len(taken) == 2 and not rest  # norms (reads) take every size

@@ -52,6 +52,9 @@ _SOURCE = Path(__file__).with_name("_cpukernel.c")
 _FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-fno-fast-math")
 _CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _BUILD_TIMEOUT_S = 300
+#: Writes to tensors below this many elements stay with torch's foreach kernels: there the
+#: Python per tensor (~0.5 us) costs more than the kernel saves.
+_SMALL = 8192
 
 
 @dataclass(frozen=True)
@@ -308,7 +311,8 @@ def _flat(
     Returns ``(pointers, lengths, taken, rest)``. Taken: plain CPU tensors (not subclasses: a
     wrapper's ``data_ptr()`` is not its data) of exactly ``dtype``, dense, non-empty and aligned
     to their element size; when ``writes``, each memory block once (a second tensor on the
-    same memory goes to ``rest`` and is handled after the kernel, in order, as torch would).
+    same memory goes to ``rest`` and is handled after the kernel, in order, as torch would), and
+    tensors of at least ``_SMALL`` elements.
     """
     esize = 4 if dtype == torch.float32 else 2
     ptrs: list[int] = []
@@ -316,8 +320,11 @@ def _flat(
     taken: list[torch.Tensor] = []
     rest: list[torch.Tensor] = []
     seen: set[int] = set()
+    small = _SMALL if writes else 0
     for g in grads:
-        if type(g) is torch.Tensor and g.dtype is dtype and g.is_cpu and _dense(g):
+        if g.numel() < small:
+            pass  # to torch: its one foreach call is cheaper than our Python per tensor
+        elif type(g) is torch.Tensor and g.dtype is dtype and g.is_cpu and _dense(g):
             ptr = g.data_ptr()
             if ptr and not ptr % esize and not (writes and ptr in seen):
                 seen.add(ptr)
