@@ -41,6 +41,22 @@ enum { SS_F32 = 0, SS_BF16 = 1, SS_F16 = 2 };
 
 /* Below this many elements in a call, one thread does all of it (a parallel region costs more). */
 #define SS_PARALLEL_MIN 131072
+/* ... and unless one tensor has at least this many (torch's parallel grain, at::internal::
+ * GRAIN_SIZE): a parallel region is then entered only where torch's own per-tensor kernels would
+ * enter one too. GNU OpenMP cannot start one in a child forked after the parent used threads:
+ * this way such a child hangs in shardscale only where it would hang in torch. */
+#define SS_GRAIN 32768
+
+/* The thread count for k tensors: 1 for small work (see above), else the caller's request. */
+static int threads_for(const int64_t *lens, int64_t k, int requested, int64_t *total) {
+  int64_t sum = 0, largest = 0;
+  for (int64_t j = 0; j < k; j++) {
+    sum += lens[j];
+    largest = lens[j] > largest ? lens[j] : largest;
+  }
+  *total = sum;
+  return requested < 1 || sum < SS_PARALLEL_MIN || largest < SS_GRAIN ? 1 : requested;
+}
 
 SS_CLONES static int f32_run(float *restrict x, int64_t n, float inv, int write) {
   int32_t bad = 0;
@@ -166,9 +182,8 @@ void shardscale_unscale(char **ptrs, const int64_t *lens, int64_t k, int dtype,
   const int write = inv != 1.0f;
   const int64_t esize = dtype == SS_F32 ? 4 : 2;
   const int64_t align = 64 / esize;
-  int64_t total = 0;
-  for (int64_t j = 0; j < k; j++) total += lens[j];
-  if (num_threads < 1 || total < SS_PARALLEL_MIN) num_threads = 1;
+  int64_t total;
+  num_threads = threads_for(lens, k, num_threads, &total);
   int bad = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1) reduction(| : bad)
   {
@@ -318,9 +333,8 @@ static int has_nan(int dtype, const char *ptr, int64_t n) {
  */
 int shardscale_norms(char **ptrs, const int64_t *lens, int64_t k, int dtype, int p, double *out,
                      int num_threads) {
-  int64_t total = 0;
-  for (int64_t j = 0; j < k; j++) total += lens[j];
-  if (num_threads < 1 || total < SS_PARALLEL_MIN) num_threads = 1;
+  int64_t total;
+  num_threads = threads_for(lens, k, num_threads, &total);
   piece_t *whole = calloc((size_t)k, sizeof(piece_t));
   int64_t *edge_j = malloc(sizeof(int64_t) * 2 * (size_t)num_threads);
   piece_t *edge = calloc(2 * (size_t)num_threads, sizeof(piece_t));

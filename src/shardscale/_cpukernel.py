@@ -7,12 +7,17 @@ over the threads in one parallel region: it runs at or below the cost of ``torch
 over the same bytes (BENCHMARKS.md), with the same results bit for bit (NaN payloads aside).
 
 It is built at first use with the system C compiler (``$CC``, else ``cc``/``gcc``/``clang``) and
-OpenMP, about 0.5 s, and cached in ``$SHARDSCALE_CACHE_DIR`` (default
+OpenMP (1-3 s, once), and cached in ``$SHARDSCALE_CACHE_DIR`` (default
 ``$XDG_CACHE_HOME/shardscale`` or ``~/.cache/shardscale``; else ``<tmp>/shardscale-<uid>``)
 under a hash of the source, the compiler's version and the platform. A directory or library
 that another user owns or could write (or, in the temp dir, a symlink) is never used. x86-64 builds carry AVX-512, AVX2 and baseline clones picked
 at load time, so a cache shared between machines is safe. On Linux the library binds to the
 OpenMP runtime torch already loaded (``libgomp.so.1``), so both share one thread pool.
+
+Threads: ``torch.get_num_threads()``, in one parallel region per call, entered only where
+torch's per-tensor kernels would enter one too (a tensor of at least 32768 elements): GNU OpenMP
+cannot start threads in a child forked after its parent used them, so a forked child hangs here
+only where torch would.
 
 ``SHARDSCALE_CPU_KERNEL`` selects it: ``auto`` (default: use it when it builds, else torch's
 kernel, logged once at INFO on the ``shardscale`` logger), ``0`` (always torch's kernel), ``1``
@@ -103,9 +108,9 @@ def _cache_dirs() -> list[tuple[Path, bool]]:
     dirs: list[tuple[Path, bool]] = []
     explicit = os.environ.get(CACHE_ENV)
     xdg = os.environ.get("XDG_CACHE_HOME")
-    if explicit:
-        dirs.append((Path(explicit), False))
-    elif xdg:
+    if explicit:  # "~" expanded, relative to the working directory as given
+        dirs.append((Path(explicit).expanduser().resolve(), False))
+    elif xdg and Path(xdg).is_absolute():  # a relative one is ignored, as the XDG spec says
         dirs.append((Path(xdg) / "shardscale", False))
     else:
         try:
@@ -143,72 +148,91 @@ def _private(path: Path, shared_parent: bool) -> bool:
     return st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
-def _build() -> Path:
-    """Compile ``_cpukernel.c`` (or find it in the cache); return the shared library's path.
-
-    A cache directory or library owned by another user, or writable by others, is never used
-    (a shared temp dir could otherwise plant a library).
+def _key(cc: list[str]) -> str:
+    """The cache key: a hash of the source, the compiler (command and version), the flags and
+    the platform.
 
     Raises:
-        CpuKernelError: no C compiler, it failed (its output is in the message), or no usable
-            cache directory.
+        CpuKernelError: the compiler does not run.
     """
-    cc = _compiler()
-    if cc is None:
-        raise CpuKernelError("no C compiler found (set $CC, or install gcc)")
     try:
         version = subprocess.run(
             [*cc, "--version"], capture_output=True, text=True, timeout=60, check=True
         ).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise CpuKernelError(f"C compiler {shlex.join(cc)!r} does not run: {e}") from e
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(
-        b"\0".join(
-            [
-                source,
-                shlex.join(cc).encode(),
-                version.encode(),
-                " ".join(_FLAGS).encode(),
-                platform.machine().encode(),
-                sys.platform.encode(),
-            ]
-        )
-    ).hexdigest()[:16]
+    parts = [_SOURCE.read_bytes(), shlex.join(cc).encode(), version.encode()]
+    parts += [" ".join(_FLAGS).encode(), platform.machine().encode(), sys.platform.encode()]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+
+def _compile(cc: list[str], out: str) -> None:
+    """Compile ``_cpukernel.c`` into ``out``.
+
+    Raises:
+        CpuKernelError: the compiler failed or timed out (its output is in the message).
+    """
+    command = [*cc, *_FLAGS, str(_SOURCE), "-o", out]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
+    except (OSError, subprocess.SubprocessError) as e:  # e.g. TimeoutExpired
+        raise CpuKernelError(f"{shlex.join(command[:-2])} failed: {e}") from e
+    if done.returncode != 0:
+        output = (done.stderr or done.stdout).strip()
+        raise CpuKernelError(f"{shlex.join(command[:-2])} failed:\n{output}")
+
+
+def _build_and_load() -> tuple[Path, ctypes.CDLL]:
+    """The compiled library, loaded: from the cache, else compiled into it.
+
+    Tries each of :func:`_cache_dirs` in turn. A directory or library owned by another user,
+    or writable by others, is never used (a shared temp dir could otherwise plant a library); a
+    cached library that does not load (truncated, another platform) is rebuilt; a fresh build
+    is loaded before it is installed (atomically: ranks building at once each install a whole
+    file), so a directory where libraries cannot be mapped (``noexec``) is passed over.
+
+    Raises:
+        CpuKernelError: no C compiler, it failed, or no directory where the library loads.
+    """
+    cc = _compiler()
+    if cc is None:
+        raise CpuKernelError("no C compiler found (set $CC, or install gcc)")
+    name = f"cpukernel-{_key(cc)}.so"
+    problems: list[str] = []
     for cache, shared in _cache_dirs():
-        lib = cache / f"cpukernel-{key}.so"
+        lib = cache / name
         try:
             cache.mkdir(mode=0o700, parents=True, exist_ok=True)
             if not _private(cache, shared):
-                continue  # another user could plant a library there (e.g. in /tmp)
+                problems.append(f"{cache}: owned by another user or writable by others")
+                continue
             if lib.exists() and _private(lib, True):
-                return lib  # (one that others could write is rebuilt: replaced by a new file)
+                try:
+                    return lib, ctypes.CDLL(str(lib))
+                except OSError:
+                    pass  # truncated or stale: rebuild it
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
             os.close(fd)
-        except OSError:
-            continue  # not writable: try the next one
+        except OSError as e:
+            problems.append(f"{cache}: {e}")
+            continue
         try:
+            _compile(cc, tmp)
             try:
-                done = subprocess.run(
-                    [*cc, *_FLAGS, str(_SOURCE), "-o", tmp],
-                    capture_output=True,
-                    text=True,
-                    timeout=_BUILD_TIMEOUT_S,
-                )
-            except (OSError, subprocess.SubprocessError) as e:  # e.g. TimeoutExpired
-                raise CpuKernelError(f"{shlex.join([*cc, *_FLAGS])} failed: {e}") from e
-            if done.returncode != 0:
-                raise CpuKernelError(
-                    f"{shlex.join([*cc, *_FLAGS])} failed:\n{(done.stderr or done.stdout).strip()}"
-                )
-            os.replace(tmp, lib)  # atomic: ranks building at once each install a whole file
+                loaded = ctypes.CDLL(tmp)
+            except OSError as e:
+                problems.append(f"{cache}: the library does not load there ({e})")
+                continue
+            os.replace(tmp, lib)
+            return lib, loaded
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-        return lib
     raise CpuKernelError(
-        f"no private writable cache directory (tried {[str(d) for d, _ in _cache_dirs()]}; "
-        f"set ${CACHE_ENV})"
+        "no private cache directory where the library loads (set $"
+        + CACHE_ENV
+        + "): "
+        + "; ".join(problems)
     )
 
 
@@ -224,8 +248,7 @@ def _load() -> tuple[KernelStatus, _Fns | None, frozenset[int]]:
             _loaded = (KernelStatus(False, f"{ENV}=0"), None, frozenset())
             return _loaded
         try:
-            path = _build()
-            lib = ctypes.CDLL(str(path))
+            path, lib = _build_and_load()
         except Exception as e:  # auto: anything that stops the build means torch's kernels
             if mode == "1":
                 raise CpuKernelError(f"{ENV}=1 but the CPU kernel is unavailable: {e}") from e

@@ -22,9 +22,10 @@ alike. The rows:
   records on CPU, ``torch.cuda.max_memory_allocated`` on CUDA), against the gradient bytes.
 
 Gradients are shaped like GPT-2-small's (transformer blocks first, then position and token
-embeddings), truncated to the requested total number of elements. The scale is 1.0 and
-``max_norm`` lies above the norm, so rounds do not change the gradient values (the kernels'
-work does not depend on them).
+embeddings), truncated to the requested total number of elements, holding gradients scaled by
+``SCALE`` (2**8, every contender's loss scale); the scaled values are copied back (untimed)
+before each timed call, since each contender unscales them in place. ``max_norm`` lies above
+the norm, so clipping multiplies by 1/scale only.
 """
 
 from __future__ import annotations
@@ -445,7 +446,9 @@ def _bench_case(cfg: Config, gs: GradSet, dtype: str, pg: Any) -> list[Row]:
                     1, Contender("shardscale, torch's kernel", unscale_torch_kernel, alt.close)
                 )
             elif not kernel.available:
-                cont[0].note += f" ({kernel.reason.splitlines()[0][:60]})"
+                cont[
+                    0
+                ].note += f" ({kernel.reason.strip().splitlines()[-1][:70]})"  # the error line
         if cfg.reference and device.type == "cpu" and gs.numel <= _REFERENCE_MAX:
             flag = torch.zeros((), device=device)
             cont.append(
