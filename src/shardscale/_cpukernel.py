@@ -82,6 +82,17 @@ class CpuKernelError(RuntimeError):
     """``SHARDSCALE_CPU_KERNEL=1`` but the kernel could not be built or loaded."""
 
 
+_PTR, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+#: The C functions: name -> (argument types, result type)
+_SIGNATURES = {
+    "shardscale_supports": ([_INT], _INT),  # dtype code
+    # ptrs, lens, k, dtype, inv_scale*, found_inf*, threads
+    "shardscale_unscale": ([_PTR, _PTR, _I64, _INT, _PTR, _PTR, _INT], None),
+    # ptrs, lens, k, dtype, p code, out*, threads -> 0 or -1
+    "shardscale_norms": ([_PTR, _PTR, _I64, _INT, _INT, _PTR, _INT], _INT),
+}
+
+
 @dataclass(frozen=True)
 class _Fns:
     unscale: Any
@@ -255,33 +266,12 @@ def _load() -> tuple[KernelStatus, _Fns | None, frozenset[int]]:
             logger.info("shardscale: compiled CPU kernel unavailable, using torch's: %s", e)
             _loaded = (KernelStatus(False, str(e)), None, frozenset())
             return _loaded
-        supports = lib.shardscale_supports
-        supports.argtypes, supports.restype = [ctypes.c_int], ctypes.c_int
-        codes = frozenset(c for c in _CODES.values() if supports(c))
-        fn = lib.shardscale_unscale
-        fn.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_int64,
-            ctypes.c_int,
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_int,
-        ]
-        fn.restype = None
-        norms = lib.shardscale_norms
-        norms.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_int64,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_void_p,
-            ctypes.c_int,
-        ]
-        norms.restype = ctypes.c_int
+        for name, (args, result) in _SIGNATURES.items():
+            getattr(lib, name).argtypes, getattr(lib, name).restype = args, result
+        codes = frozenset(c for c in _CODES.values() if lib.shardscale_supports(c))
         dtypes = tuple(d for d, c in _CODES.items() if c in codes)
-        _loaded = (KernelStatus(True, str(path), dtypes), _Fns(fn, norms), codes)
+        fns = _Fns(lib.shardscale_unscale, lib.shardscale_norms)
+        _loaded = (KernelStatus(True, str(path), dtypes), fns, codes)
         return _loaded
 
 
