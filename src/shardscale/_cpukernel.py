@@ -1,18 +1,22 @@
-"""The compiled CPU unscale + inf/NaN check, and its fallback to torch's kernel.
+"""The compiled CPU kernels (unscale + inf/NaN check, multiply, per-tensor norms), and their
+fallback to torch's.
 
 torch's CPU ``_amp_foreach_non_finite_check_and_unscale_`` costs 1.3-1.5x an in-place multiply
 over float32 gradients (its vectorised inf/NaN test branches every 8-16 elements). The C kernel
 in ``_cpukernel.c`` tests the exponent bits without branches and splits all of a bucket's elements
 over the threads in one parallel region: it runs at or below the cost of ``torch._foreach_mul_``
-over the same bytes (BENCHMARKS.md), with the same results bit for bit (NaN payloads aside).
+over the same bytes (BENCHMARKS.md), with the same results bit for bit (NaN payloads aside). Its
+norms (p = 1, 2, inf) are summed in float64, from one read of the gradients.
 
 It is built at first use with the system C compiler (``$CC``, else ``cc``/``gcc``/``clang``) and
 OpenMP (1-3 s, once), and cached in ``$SHARDSCALE_CACHE_DIR`` (default
 ``$XDG_CACHE_HOME/shardscale`` or ``~/.cache/shardscale``; else ``<tmp>/shardscale-<uid>``)
 under a hash of the source, the compiler's version and the platform. A directory or library
-that another user owns or could write (or, in the temp dir, a symlink) is never used. x86-64 builds carry AVX-512, AVX2 and baseline clones picked
-at load time, so a cache shared between machines is safe. On Linux the library binds to the
-OpenMP runtime torch already loaded (``libgomp.so.1``), so both share one thread pool.
+that another user owns or could write (or, in the temp dir, a symlink) is never used. x86-64
+builds carry AVX-512, AVX2 and baseline clones picked at load time, so a cache shared between
+machines is safe. On Linux the library binds to the OpenMP runtime torch already loaded
+(``libgomp.so.1``), so both share one thread pool (a torch built with another OpenMP runtime
+would get a second pool: ``SHARDSCALE_CPU_KERNEL=0`` avoids it).
 
 Threads: ``torch.get_num_threads()``, in one parallel region per call, entered only where
 torch's per-tensor kernels would enter one too (a tensor of at least 32768 elements): GNU OpenMP
