@@ -833,3 +833,29 @@ def test_copies_share_the_process_group():
     s.process_group = group
     assert copy.copy(s).process_group is group
     assert copy.deepcopy(s).process_group is group
+
+
+def test_inverse_scale_follows_every_write_of_the_scale():
+    """1/scale is cached between writes of the scale tensor: growth, backoff, load_state_dict
+    and a user's in-place write must all be seen by the next unscale_."""
+    p = torch.nn.Parameter(torch.zeros(4))
+    opt = torch.optim.SGD([p], lr=0.0)
+    scaler = ShardedGradScaler(init_scale=8.0, growth_interval=1)
+
+    def unscaled(grad_value: float) -> float:
+        scaler.scale(torch.ones(()))
+        p.grad = torch.full((4,), grad_value)
+        scaler.unscale_(opt)
+        got = p.grad[0].item()
+        scaler.step(opt)
+        scaler.update()
+        return got
+
+    assert unscaled(8.0) == 1.0  # scale 8, then grows to 16
+    assert unscaled(16.0) == 1.0  # 16 -> 32
+    assert unscaled(float("inf")) != 1.0  # overflow: 32 -> 16
+    assert scaler.get_scale() == 16.0 and unscaled(16.0) == 1.0  # -> 32
+    scaler.load_state_dict({**scaler.state_dict(), "scale": 4.0})
+    assert unscaled(4.0) == 1.0  # -> 8
+    scaler._scale.fill_(2.0)  # torch's private attribute, written in place
+    assert unscaled(2.0) == 1.0

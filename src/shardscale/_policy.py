@@ -260,7 +260,8 @@ def step_in_place(state: ScaleState, found_inf: torch.Tensor, config: ScalerConf
         counters=tuple(state.counters.tolist()),
     )
     new_py, collapsed_py = reference_step(py, int(found_inf), config)
-    state.scale.fill_(new_py.scale)
+    if new_py.scale != py.scale:  # unchanged: not written (its version, and 1/scale, stand)
+        state.scale.fill_(new_py.scale)
     state.growth_tracker.fill_(new_py.growth_tracker)
     state.hysteresis_tracker.fill_(new_py.hysteresis_tracker)
     state.counters.copy_(torch.tensor(new_py.counters, dtype=torch.int64))

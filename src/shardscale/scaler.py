@@ -220,6 +220,8 @@ class ShardedGradScaler:
         self._per_optimizer: dict[int, _PerOptimizer] = {}
         #: id(param) -> agreed found_inf, for gradients unscaled by clip_grad_norm_(params)
         self._pre_unscaled: dict[int, torch.Tensor] = {}
+        # (scale tensor, its version, 1/scale): reused while the scale is not written
+        self._inv_cache: tuple[torch.Tensor, int, torch.Tensor] | None = None
         self._skipped: dict[int, torch.Tensor] = {}
         self._last: _LastStep | None = None
         self._last_report: OverflowReport | None = None
@@ -326,12 +328,20 @@ class ShardedGradScaler:
         st.stage = OptState.UNSCALED
 
     def _inv_scale(self) -> torch.Tensor:
+        """``1/scale`` (0-d float32, on the scale's device), recomputed only after the scale
+        tensor was written (its version counter moved): the scale changes only on a growth or a
+        backoff. Callers only read it."""
         assert self._state is not None
         scale = self._state.scale
+        cached = self._inv_cache
+        if cached is not None and cached[0] is scale and cached[1] == scale._version:
+            return cached[2]
         if scale.device.type == "mps":
-            return scale.reciprocal()
-        # float64 reciprocal, as torch.amp.GradScaler: fp32 division can be imprecise.
-        return scale.double().reciprocal().float()
+            inv = scale.reciprocal()
+        else:  # float64 reciprocal, as torch.amp.GradScaler: fp32 division can be imprecise.
+            inv = scale.double().reciprocal().float()
+        self._inv_cache = (scale, scale._version, inv)
+        return inv
 
     def _check(
         self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor | None
@@ -851,6 +861,7 @@ class ShardedGradScaler:
             state[key] = None
         state["_per_optimizer"], state["_skipped"], state["_pending_collapse"] = {}, {}, []
         state["_pre_unscaled"] = {}
+        state["_inv_cache"] = None
         state["process_group"] = None  # process groups cannot be pickled (copies share it)
         # report names are ids of this process's parameters: pickling drops them (call
         # set_param_names after loading); __copy__/__deepcopy__ keep or remap them
@@ -867,6 +878,7 @@ class ShardedGradScaler:
                 "_state": None,
                 "_per_optimizer": {},
                 "_pre_unscaled": {},
+                "_inv_cache": None,
                 "_skipped": {},
                 "_last": None,
                 "_last_report": None,
