@@ -248,7 +248,9 @@ def test_cache_is_reused(fresh, tmp_path) -> None:
     _cpukernel.reset()
     assert _cpukernel.status().reason == first.reason
     assert libs[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
-    assert list((tmp_path / "cache").glob("*")) == libs  # no temporary files left
+    sha = libs[0].with_name(libs[0].name + ".sha256")
+    assert sorted((tmp_path / "cache").glob("*")) == [libs[0], sha]  # no temporary files left
+    assert sha.read_text() == _cpukernel._digest(libs[0])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -492,16 +494,18 @@ def _unscale_in_child(sizes: list[int]) -> None:
     os._exit(0 if all(bool((g == 0.5).all()) for g in grads) else 3)
 
 
-def test_forked_child_with_only_small_tensors_does_not_hang(kernel) -> None:
+@pytest.mark.parametrize("sizes", [[20_000] * 10, [32_768] * 8], ids=["20000", "32768"])
+def test_forked_child_with_only_small_tensors_does_not_hang(kernel, sizes) -> None:
     """GNU OpenMP cannot start a parallel region in a child forked after the parent used one;
-    torch's per-tensor kernels never start one for tensors under its grain (32768), so neither
-    does the compiled kernel: a child stepping a model of small tensors must not hang."""
+    torch's per-tensor kernels never start one for tensors of up to its grain (32768 elements),
+    so neither does the compiled kernel: a child stepping a model of such tensors must not
+    hang (``nn.Linear(256, 128).weight`` has exactly 32768)."""
     import multiprocessing as mp
 
     torch.set_num_threads(max(2, torch.get_num_threads()))
     big = [torch.ones(1_000_000)]
     _cpukernel.foreach_unscale_(big, torch.zeros(()), torch.tensor(0.5))  # threads started
-    child = mp.get_context("fork").Process(target=_unscale_in_child, args=([20_000] * 10,))
+    child = mp.get_context("fork").Process(target=_unscale_in_child, args=(sizes,))
     child.start()
     child.join(60)
     if child.is_alive():
@@ -530,11 +534,14 @@ def test_relative_and_home_cache_dirs_resolve(fresh, tmp_path, monkeypatch) -> N
 def test_a_truncated_cached_library_is_rebuilt(fresh, tmp_path) -> None:
     fresh.setenv(_cpukernel.ENV, "1")
     lib = Path(_cpukernel.status().reason)
-    # a new empty file, not the loaded one truncated in place (that would SIGBUS this process)
-    lib.unlink()
-    lib.write_bytes(b"")
-    _cpukernel.reset()
-    assert _cpukernel.status().reason == str(lib) and lib.stat().st_size > 0
+    whole = lib.read_bytes()
+    for cut in (0, 2000, len(whole) // 2):  # dlopen of a cut ELF file can die of SIGBUS
+        # a new file, not the loaded one truncated in place (that would SIGBUS this process)
+        lib.unlink()
+        lib.write_bytes(whole[:cut])
+        _cpukernel.reset()
+        assert _cpukernel.status().reason == str(lib)
+        assert lib.stat().st_size > cut and _cpukernel.status().available  # rebuilt
 
 
 def test_a_compiler_that_writes_nothing_is_not_cached(fresh, tmp_path) -> None:
@@ -544,7 +551,7 @@ def test_a_compiler_that_writes_nothing_is_not_cached(fresh, tmp_path) -> None:
     fresh.setenv("CC", str(fake))
     fresh.setenv(_cpukernel.ENV, "auto")
     st_ = _cpukernel.status()
-    assert not st_.available and "does not load" in st_.reason
+    assert not st_.available and "wrote nothing" in st_.reason
     assert not list((tmp_path / "cache").glob("*.so"))
 
 
@@ -562,3 +569,105 @@ def test_a_cache_where_libraries_cannot_load_is_passed_over(fresh, tmp_path) -> 
     st_ = _cpukernel.status()
     assert st_.available
     assert Path(st_.reason).parent == tmp_path / "tmp" / f"shardscale-{_cpukernel._uid()}"
+    builds = []
+    fresh.setattr(_cpukernel, "_compile", lambda *a: builds.append(a))
+    _cpukernel.reset()
+    assert _cpukernel.status().reason == st_.reason and not builds  # found, not rebuilt
+
+
+def test_overlapping_views_are_multiplied_twice_like_torch(kernel) -> None:
+    torch.set_num_threads(max(2, torch.get_num_threads()))
+    for _ in range(5):
+        a = torch.randn(200_001)
+        _assert_same([a[0:200_000], a[1:200_001]], 0.5)
+    # [0, 400) holds [40, 80); [400, 440) only touches it; [1000, 1020) is apart
+    assert _cpukernel._overlapping([0, 400, 40, 1000], [100, 10, 10, 5], 4) == {0, 2}
+
+
+def test_non_plain_scale_or_flag_tensors_go_to_torch(kernel) -> None:
+    two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
+    inv = two_tensor.TwoTensor(torch.tensor(0.5), torch.tensor(0.5))  # data_ptr() == 0
+    assert inv.data_ptr() == 0
+    a, b = torch.ones(100_000), torch.ones(100_000)
+    torch._amp_foreach_non_finite_check_and_unscale_([a], torch.zeros(()), inv)
+    _cpukernel.foreach_unscale_([b], torch.zeros(()), inv)
+    assert torch.equal(a, b)
+    found = two_tensor.TwoTensor(torch.zeros(()), torch.zeros(()))
+    b[7] = float("inf")
+    _cpukernel.foreach_unscale_([b], found, torch.tensor(0.5))  # torch's kernel, no crash
+    assert found.a.item() == 1.0
+
+
+def test_explicit_home_cache_without_a_home_uses_the_temp_dir(fresh, tmp_path) -> None:
+    def no_home(self):
+        raise RuntimeError("Could not determine home directory.")
+
+    fresh.setattr(Path, "expanduser", no_home)
+    fresh.setenv(_cpukernel.CACHE_ENV, "~/kc")
+    fresh.setenv(_cpukernel.ENV, "1")
+    st_ = _cpukernel.status()
+    assert Path(st_.reason).parent == tmp_path / "tmp" / f"shardscale-{_cpukernel._uid()}"
+
+
+def test_unsafe_math_in_cc_does_not_set_flush_to_zero(tmp_path) -> None:
+    """crtfastmath.o (linked for -ffast-math/-Ofast/-funsafe-math-optimizations) would set
+    flush-to-zero for the whole process when the library loads."""
+    import shutil
+    import subprocess
+    import sys
+
+    cc = shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no gcc")
+    script = (
+        "import torch; from shardscale import _cpukernel as k; "
+        "assert k.status().available, k.status().reason; "
+        "print((torch.tensor([1e-40]) * torch.tensor([1.0])).item())"
+    )
+    for flags in ("-funsafe-math-optimizations", "-ffast-math", "-Ofast"):
+        env = {
+            **os.environ,
+            "CC": f"{cc} {flags}",
+            _cpukernel.CACHE_ENV: str(tmp_path / flags),
+            _cpukernel.ENV: "1",
+        }
+        out = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 0, out.stderr
+        assert float(out.stdout) > 0, flags  # the denormal survived
+
+
+def test_a_hung_compiler_is_killed_with_its_children(fresh, tmp_path) -> None:
+    marker = "41.2345"
+    slow = tmp_path / "slowcc2"
+    slow.write_text(
+        '#!/bin/sh\nif [ "$1" = --version ]; then echo slow 2.0; exit 0; fi\n'
+        f"sleep {marker} &\nwait\n"
+    )
+    slow.chmod(0o755)
+    fresh.setenv("CC", str(slow))
+    fresh.setattr(_cpukernel, "_BUILD_TIMEOUT_S", 1)
+    fresh.setenv(_cpukernel.ENV, "auto")
+    st_ = _cpukernel.status()
+    assert not st_.available and "timed out" in st_.reason
+
+    def alive() -> list[str]:
+        found = []
+        for proc in Path("/proc").glob("[0-9]*"):
+            try:
+                cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if f"sleep {marker}" in cmd:
+                found.append(cmd)
+        return found
+
+    if not Path("/proc").exists():
+        pytest.skip("no /proc")
+    import time
+
+    deadline = time.monotonic() + 5
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive()

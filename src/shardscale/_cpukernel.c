@@ -41,9 +41,9 @@ enum { SS_F32 = 0, SS_BF16 = 1, SS_F16 = 2 };
 
 /* Below this many elements in a call, one thread does all of it (a parallel region costs more). */
 #define SS_PARALLEL_MIN 131072
-/* ... and unless one tensor has at least this many (torch's parallel grain, at::internal::
- * GRAIN_SIZE): a parallel region is then entered only where torch's own per-tensor kernels would
- * enter one too. GNU OpenMP cannot start one in a child forked after the parent used threads:
+/* ... and unless one tensor has more than this many (torch's parallel grain, at::internal::
+ * GRAIN_SIZE; at::parallel_for splits only a range longer than it): a parallel region is then
+ * entered only where torch's own per-tensor kernels would enter one too. GNU OpenMP cannot start one in a child forked after the parent used threads:
  * this way such a child hangs in shardscale only where it would hang in torch. */
 #define SS_GRAIN 32768
 
@@ -55,7 +55,7 @@ static int threads_for(const int64_t *lens, int64_t k, int requested, int64_t *t
     largest = lens[j] > largest ? lens[j] : largest;
   }
   *total = sum;
-  return requested < 1 || sum < SS_PARALLEL_MIN || largest < SS_GRAIN ? 1 : requested;
+  return requested < 1 || sum < SS_PARALLEL_MIN || largest <= SS_GRAIN ? 1 : requested;
 }
 
 SS_CLONES static int f32_run(float *restrict x, int64_t n, float inv, int write) {

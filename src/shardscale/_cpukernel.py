@@ -19,7 +19,7 @@ machines is safe. On Linux the library binds to the OpenMP runtime torch already
 would get a second pool: ``SHARDSCALE_CPU_KERNEL=0`` avoids it).
 
 Threads: ``torch.get_num_threads()``, in one parallel region per call, entered only where
-torch's per-tensor kernels would enter one too (a tensor of at least 32768 elements): GNU OpenMP
+torch's per-tensor kernels would enter one too (a tensor of more than 32768 elements): GNU OpenMP
 cannot start threads in a child forked after its parent used them, so a forked child hangs here
 only where torch would.
 
@@ -39,6 +39,7 @@ import os
 import platform
 import shlex
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -57,8 +58,16 @@ logger = logging.getLogger("shardscale")
 ENV = "SHARDSCALE_CPU_KERNEL"
 CACHE_ENV = "SHARDSCALE_CACHE_DIR"
 _SOURCE = Path(__file__).with_name("_cpukernel.c")
-#: -fno-fast-math last: a $CC carrying -Ofast/-ffast-math must not drop the NaN tests
-_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-fno-fast-math")
+#: The -fno-* last: a $CC carrying -Ofast/-ffast-math/-funsafe-math-optimizations must neither
+#: drop the NaN tests nor link crtfastmath.o (which sets flush-to-zero for the whole process)
+_FLAGS = (
+    "-O3",
+    "-fopenmp",
+    "-shared",
+    "-fPIC",
+    "-fno-fast-math",
+    "-fno-unsafe-math-optimizations",
+)
 _CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _BUILD_TIMEOUT_S = 300
 #: Writes to tensors below this many elements stay with torch's foreach kernels: there the
@@ -124,7 +133,10 @@ def _cache_dirs() -> list[tuple[Path, bool]]:
     explicit = os.environ.get(CACHE_ENV)
     xdg = os.environ.get("XDG_CACHE_HOME")
     if explicit:  # "~" expanded, relative to the working directory as given
-        dirs.append((Path(explicit).expanduser().resolve(), False))
+        try:
+            dirs.append((Path(explicit).expanduser().resolve(), False))
+        except (RuntimeError, KeyError):  # "~" without a home directory
+            pass
     elif xdg and Path(xdg).is_absolute():  # a relative one is ignored, as the XDG spec says
         dirs.append((Path(xdg) / "shardscale", False))
     else:
@@ -185,26 +197,60 @@ def _compile(cc: list[str], out: str) -> None:
     """Compile ``_cpukernel.c`` into ``out``.
 
     Raises:
-        CpuKernelError: the compiler failed or timed out (its output is in the message).
+        CpuKernelError: the compiler failed, wrote nothing, or timed out (then it is killed with
+            the processes it started, e.g. ``cc1``); its output is in the message.
     """
     command = [*cc, *_FLAGS, str(_SOURCE), "-o", out]
+    shown = shlex.join(command[:-2])
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
-    except (OSError, subprocess.SubprocessError) as e:  # e.g. TimeoutExpired
-        raise CpuKernelError(f"{shlex.join(command[:-2])} failed: {e}") from e
-    if done.returncode != 0:
-        output = (done.stderr or done.stdout).strip()
-        raise CpuKernelError(f"{shlex.join(command[:-2])} failed:\n{output}")
+        proc = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=hasattr(os, "killpg"),
+        )
+    except OSError as e:
+        raise CpuKernelError(f"{shown} failed: {e}") from e
+    try:
+        stdout, stderr = proc.communicate(timeout=_BUILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        if hasattr(os, "killpg"):
+            os.killpg(proc.pid, signal.SIGKILL)
+        else:  # pragma: no cover - Windows
+            proc.kill()
+        proc.communicate()
+        raise CpuKernelError(f"{shown} timed out after {_BUILD_TIMEOUT_S} s") from e
+    if proc.returncode != 0:
+        raise CpuKernelError(f"{shown} failed:\n{(stderr or stdout).strip()}")
+    if os.path.getsize(out) == 0:
+        raise CpuKernelError(f"{shown} exited 0 but wrote nothing: is $CC a C compiler?")
+
+
+def _digest(path: Path | str) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _usable_dirs() -> Iterator[Path]:
+    """The cache directories that exist (created if needed) and are private (see _private)."""
+    for cache, shared in _cache_dirs():
+        try:
+            cache.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if _private(cache, shared):
+                yield cache
+        except OSError:
+            continue
 
 
 def _build_and_load() -> tuple[Path, ctypes.CDLL]:
     """The compiled library, loaded: from the cache, else compiled into it.
 
-    Tries each of :func:`_cache_dirs` in turn. A directory or library owned by another user,
-    or writable by others, is never used (a shared temp dir could otherwise plant a library); a
-    cached library that does not load (truncated, another platform) is rebuilt; a fresh build
-    is loaded before it is installed (atomically: ranks building at once each install a whole
-    file), so a directory where libraries cannot be mapped (``noexec``) is passed over.
+    First every private cache directory (:func:`_cache_dirs`; one owned by another user or
+    writable by others is never used) is searched for the library, loaded only if its recorded
+    SHA-256 matches (a truncated or damaged file would crash ``dlopen`` with SIGBUS). Otherwise
+    it is compiled into the first directory where the fresh build loads (a ``noexec`` mount is
+    passed over), then installed atomically with its checksum (ranks building at once each
+    install a whole file).
 
     Raises:
         CpuKernelError: no C compiler, it failed, or no directory where the library loads.
@@ -213,19 +259,17 @@ def _build_and_load() -> tuple[Path, ctypes.CDLL]:
     if cc is None:
         raise CpuKernelError("no C compiler found (set $CC, or install gcc)")
     name = f"cpukernel-{_key(cc)}.so"
-    problems: list[str] = []
-    for cache, shared in _cache_dirs():
-        lib = cache / name
+    for cache in _usable_dirs():
+        lib, sha = cache / name, cache / (name + ".sha256")
         try:
-            cache.mkdir(mode=0o700, parents=True, exist_ok=True)
-            if not _private(cache, shared):
-                problems.append(f"{cache}: owned by another user or writable by others")
-                continue
-            if lib.exists() and _private(lib, True):
-                try:
-                    return lib, ctypes.CDLL(str(lib))
-                except OSError:
-                    pass  # truncated or stale: rebuild it
+            if _private(lib, True) and _private(sha, True) and sha.read_text() == _digest(lib):
+                return lib, ctypes.CDLL(str(lib))
+        except OSError:
+            continue  # missing, unreadable, or does not load here: (re)built below
+    problems: list[str] = []
+    for cache in _usable_dirs():
+        lib, sha = cache / name, cache / (name + ".sha256")
+        try:
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
             os.close(fd)
         except OSError as e:
@@ -238,16 +282,19 @@ def _build_and_load() -> tuple[Path, ctypes.CDLL]:
             except OSError as e:
                 problems.append(f"{cache}: the library does not load there ({e})")
                 continue
+            digest = _digest(tmp)
             os.replace(tmp, lib)
+            fd, tmp_sha = tempfile.mkstemp(suffix=".sha256", dir=cache)
+            with os.fdopen(fd, "w") as f:
+                f.write(digest)
+            os.replace(tmp_sha, sha)
             return lib, loaded
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     raise CpuKernelError(
-        "no private cache directory where the library loads (set $"
-        + CACHE_ENV
-        + "): "
-        + "; ".join(problems)
+        f"no private cache directory where the library loads (set ${CACHE_ENV}): "
+        + ("; ".join(problems) or "none usable: " + ", ".join(str(d) for d, _ in _cache_dirs()))
     )
 
 
@@ -320,6 +367,18 @@ def _dense(t: torch.Tensor) -> bool:
     )
 
 
+def _plain_scalar(t: torch.Tensor) -> bool:
+    """A plain 0-d (or 1-element) float32 CPU tensor with real storage (not a FakeTensor or a
+    wrapper subclass, whose ``data_ptr()`` is not its data)."""
+    return (
+        type(t) is torch.Tensor
+        and t.dtype is torch.float32
+        and t.is_cpu
+        and t.numel() == 1
+        and t.data_ptr() != 0
+    )
+
+
 def _flat(
     grads: list[torch.Tensor], dtype: torch.dtype, writes: bool
 ) -> tuple[array, array, list[torch.Tensor], list[torch.Tensor]]:
@@ -327,30 +386,51 @@ def _flat(
 
     Returns ``(pointers, lengths, taken, rest)``. Taken: plain CPU tensors (not subclasses: a
     wrapper's ``data_ptr()`` is not its data) of exactly ``dtype``, dense, non-empty and aligned
-    to their element size; when ``writes``, each memory block once (a second tensor on the
-    same memory goes to ``rest`` and is handled after the kernel, in order, as torch would), and
-    tensors of at least ``_SMALL`` elements.
+    to their element size; when ``writes``, only tensors of at least ``_SMALL`` elements whose
+    memory overlaps no other's (threads would race on it: overlapping ones go to ``rest`` and
+    are handled after the kernel, one by one, as torch would).
     """
     esize = 4 if dtype == torch.float32 else 2
     ptrs: list[int] = []
     lens: list[int] = []
     taken: list[torch.Tensor] = []
     rest: list[torch.Tensor] = []
-    seen: set[int] = set()
     small = _SMALL if writes else 0
     for g in grads:
         if g.numel() < small:
             pass  # to torch: its one foreach call is cheaper than our Python per tensor
         elif type(g) is torch.Tensor and g.dtype is dtype and g.is_cpu and _dense(g):
             ptr = g.data_ptr()
-            if ptr and not ptr % esize and not (writes and ptr in seen):
-                seen.add(ptr)
+            if ptr and not ptr % esize:
                 ptrs.append(ptr)
                 lens.append(g.numel())
                 taken.append(g)
                 continue
         rest.append(g)
+    if writes and len(taken) > 1:
+        clash = _overlapping(ptrs, lens, esize)
+        if clash:
+            keep = [i for i in range(len(taken)) if i not in clash]
+            rest += [taken[i] for i in sorted(clash)]
+            ptrs, lens, taken = (
+                [ptrs[i] for i in keep],
+                [lens[i] for i in keep],
+                [taken[i] for i in keep],
+            )
     return array("q", ptrs), array("q", lens), taken, rest
+
+
+def _overlapping(ptrs: list[int], lens: list[int], esize: int) -> set[int]:
+    """Indices of the memory ranges ``[ptr, ptr + len * esize)`` that overlap another one."""
+    clash: set[int] = set()
+    reach, owner = -1, -1  # the furthest end so far, and whose it is
+    for i in sorted(range(len(ptrs)), key=ptrs.__getitem__):
+        if ptrs[i] < reach:
+            clash.update((i, owner))
+        end = ptrs[i] + lens[i] * esize
+        if end > reach:
+            reach, owner = end, i
+    return clash
 
 
 def _unscale(
@@ -363,9 +443,7 @@ def _unscale(
         fns is None
         or _forced_torch
         or _CODES.get(dtype) not in codes
-        or found_inf.dtype != torch.float32
-        or factor.dtype != torch.float32
-        or not (found_inf.is_cpu and factor.is_cpu)
+        or not (_plain_scalar(found_inf) and _plain_scalar(factor))
     ):
         return [], grads
     ptrs, lens, taken, rest = _flat(grads, dtype, writes=True)
