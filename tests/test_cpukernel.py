@@ -55,6 +55,14 @@ def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path) -> Iterator[pytest.MonkeyPa
     _cpukernel.reset()
 
 
+def _fake_cc(path: Path, body: str) -> Path:
+    """An executable shell script standing in for the C compiler: answers ``--version``, then
+    runs ``body`` for the build."""
+    path.write_text(f'#!/bin/sh\nif [ "$1" = --version ]; then echo fake 1.0; exit 0; fi\n{body}\n')
+    path.chmod(0o755)
+    return path
+
+
 def _specials(dtype: torch.dtype) -> torch.Tensor:
     info = torch.finfo(dtype)
     vals = [0.0, -0.0, info.tiny, -info.tiny, info.tiny / 4, info.max, -info.max, info.eps, 1.0]
@@ -218,12 +226,7 @@ def test_auto_without_compiler_falls_back(fresh, caplog) -> None:
 
 
 def test_compiler_error_is_reported(fresh, tmp_path) -> None:
-    fake = tmp_path / "fakecc"
-    fake.write_text(
-        '#!/bin/sh\nif [ "$1" = --version ]; then echo fake 1.0; exit 0; fi\n'
-        "echo 'boom: no openmp' >&2; exit 1\n"
-    )
-    fake.chmod(0o755)
+    fake = _fake_cc(tmp_path / "fakecc", "echo 'boom: no openmp' >&2; exit 1")
     fresh.setenv(_cpukernel.ENV, "1")
     fresh.setenv("CC", str(fake))
     with pytest.raises(_cpukernel.CpuKernelError, match="boom: no openmp"):
@@ -463,19 +466,6 @@ def test_a_symlink_in_the_shared_temp_dir_is_refused(fresh, tmp_path) -> None:
     assert not list(target.iterdir())
 
 
-def test_a_compiler_that_hangs_times_out_into_torchs_kernel(fresh, tmp_path) -> None:
-    slow = tmp_path / "slowcc"
-    slow.write_text(
-        '#!/bin/sh\nif [ "$1" = --version ]; then echo slow 1.0; exit 0; fi\nexec sleep 30\n'
-    )
-    slow.chmod(0o755)
-    fresh.setenv("CC", str(slow))
-    fresh.setattr(_cpukernel, "_BUILD_TIMEOUT_S", 1)
-    fresh.setenv(_cpukernel.ENV, "auto")
-    st_ = _cpukernel.status()
-    assert not st_.available and "timed out" in st_.reason
-
-
 def test_small_tensors_stay_with_torchs_kernel(kernel, monkeypatch) -> None:
     monkeypatch.setattr(_cpukernel, "_SMALL", 8192)
     small, big = torch.randn(100), torch.randn(10_000)
@@ -545,9 +535,7 @@ def test_a_truncated_cached_library_is_rebuilt(fresh, tmp_path) -> None:
 
 
 def test_a_compiler_that_writes_nothing_is_not_cached(fresh, tmp_path) -> None:
-    fake = tmp_path / "truecc"
-    fake.write_text('#!/bin/sh\nif [ "$1" = --version ]; then echo fake 1.0; fi\nexit 0\n')
-    fake.chmod(0o755)
+    fake = _fake_cc(tmp_path / "truecc", "exit 0")
     fresh.setenv("CC", str(fake))
     fresh.setenv(_cpukernel.ENV, "auto")
     st_ = _cpukernel.status()
@@ -640,12 +628,7 @@ def test_unsafe_math_in_cc_does_not_set_flush_to_zero(tmp_path) -> None:
 
 def test_a_hung_compiler_is_killed_with_its_children(fresh, tmp_path) -> None:
     marker = "41.2345"
-    slow = tmp_path / "slowcc2"
-    slow.write_text(
-        '#!/bin/sh\nif [ "$1" = --version ]; then echo slow 2.0; exit 0; fi\n'
-        f"sleep {marker} &\nwait\n"
-    )
-    slow.chmod(0o755)
+    slow = _fake_cc(tmp_path / "slowcc", f"sleep {marker} &\nwait")
     fresh.setenv("CC", str(slow))
     fresh.setattr(_cpukernel, "_BUILD_TIMEOUT_S", 1)
     fresh.setenv(_cpukernel.ENV, "auto")
