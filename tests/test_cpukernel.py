@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import math
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +36,8 @@ def every_size_compiled(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def kernel(monkeypatch: pytest.MonkeyPatch) -> Iterator[_cpukernel.KernelStatus]:
+    """The compiled kernel, loaded (the test is skipped where it cannot be built: no C compiler
+    or no OpenMP; shardscale then runs on torch's kernels, which the rest of the suite covers)."""
     monkeypatch.setenv(_cpukernel.ENV, "auto")
     _cpukernel.reset()
     status = _cpukernel.status()
@@ -454,7 +457,7 @@ def test_no_home_directory_falls_back_to_the_temp_dir(fresh, tmp_path) -> None:
     assert "Could not determine" not in st_.reason
 
 
-def test_a_symlink_in_the_shared_temp_dir_is_refused(fresh, tmp_path) -> None:
+def test_a_symlink_in_the_shared_temp_dir_is_refused(kernel, fresh, tmp_path) -> None:
     (tmp_path / "cache").mkdir(mode=0o777)
     (tmp_path / "cache").chmod(0o777)  # the user's cache is unusable: only the temp dir is left
     target = tmp_path / "elsewhere"
@@ -504,7 +507,7 @@ def test_forked_child_with_only_small_tensors_does_not_hang(kernel, sizes) -> No
     assert child.exitcode == 0
 
 
-def test_relative_and_home_cache_dirs_resolve(fresh, tmp_path, monkeypatch) -> None:
+def test_relative_and_home_cache_dirs_resolve(kernel, fresh, tmp_path, monkeypatch) -> None:
     fresh.setenv(_cpukernel.ENV, "1")
     work = tmp_path / "work"
     work.mkdir(mode=0o700)
@@ -521,7 +524,7 @@ def test_relative_and_home_cache_dirs_resolve(fresh, tmp_path, monkeypatch) -> N
     assert Path(_cpukernel.status().reason).parent == work / ".cache" / "shardscale"
 
 
-def test_a_truncated_cached_library_is_rebuilt(fresh, tmp_path) -> None:
+def test_a_truncated_cached_library_is_rebuilt(kernel, fresh, tmp_path) -> None:
     fresh.setenv(_cpukernel.ENV, "1")
     lib = Path(_cpukernel.status().reason)
     whole = lib.read_bytes()
@@ -543,7 +546,7 @@ def test_a_compiler_that_writes_nothing_is_not_cached(fresh, tmp_path) -> None:
     assert not list((tmp_path / "cache").glob("*.so"))
 
 
-def test_a_cache_where_libraries_cannot_load_is_passed_over(fresh, tmp_path) -> None:
+def test_a_cache_where_libraries_cannot_load_is_passed_over(kernel, fresh, tmp_path) -> None:
     """As on a noexec mount: the library is built and installed where it does load."""
     real = ctypes.CDLL
 
@@ -586,7 +589,7 @@ def test_non_plain_scale_or_flag_tensors_go_to_torch(kernel) -> None:
     assert found.a.item() == 1.0
 
 
-def test_explicit_home_cache_without_a_home_uses_the_temp_dir(fresh, tmp_path) -> None:
+def test_explicit_home_cache_without_a_home_uses_the_temp_dir(kernel, fresh, tmp_path) -> None:
     def no_home(self):
         raise RuntimeError("Could not determine home directory.")
 
@@ -597,10 +600,9 @@ def test_explicit_home_cache_without_a_home_uses_the_temp_dir(fresh, tmp_path) -
     assert Path(st_.reason).parent == tmp_path / "tmp" / f"shardscale-{_cpukernel._uid()}"
 
 
-def test_unsafe_math_in_cc_does_not_set_flush_to_zero(tmp_path) -> None:
+def test_unsafe_math_in_cc_does_not_set_flush_to_zero(kernel, tmp_path) -> None:
     """crtfastmath.o (linked for -ffast-math/-Ofast/-funsafe-math-optimizations) would set
     flush-to-zero for the whole process when the library loads."""
-    import shutil
     import subprocess
     import sys
 
@@ -628,7 +630,10 @@ def test_unsafe_math_in_cc_does_not_set_flush_to_zero(tmp_path) -> None:
 
 def test_a_hung_compiler_is_killed_with_its_children(fresh, tmp_path) -> None:
     marker = "41.2345"
-    slow = _fake_cc(tmp_path / "slowcc", f"sleep {marker} &\nwait")
+    sleep = shutil.which("sleep")
+    if sleep is None:
+        pytest.skip("no sleep command")
+    slow = _fake_cc(tmp_path / "slowcc", f"{sleep} {marker} &\nwait")
     fresh.setenv("CC", str(slow))
     fresh.setattr(_cpukernel, "_BUILD_TIMEOUT_S", 1)
     fresh.setenv(_cpukernel.ENV, "auto")
