@@ -43,8 +43,9 @@ enum { SS_F32 = 0, SS_BF16 = 1, SS_F16 = 2 };
 #define SS_PARALLEL_MIN 131072
 /* ... and unless one tensor has more than this many (torch's parallel grain, at::internal::
  * GRAIN_SIZE; at::parallel_for splits only a range longer than it): a parallel region is then
- * entered only where torch's own per-tensor kernels would enter one too. GNU OpenMP cannot start one in a child forked after the parent used threads:
- * this way such a child hangs in shardscale only where it would hang in torch. */
+ * entered only where torch's own per-tensor kernels would enter one too. GNU OpenMP cannot start
+ * one in a child forked after the parent used threads: this way such a child hangs in
+ * shardscale only where it would hang in torch. */
 #define SS_GRAIN 32768
 
 /* The thread count for k tensors: 1 for small work (see above), else the caller's request. */
