@@ -64,13 +64,14 @@ def clip_grad_norm_(
     ``Replicate``: counted once), FSDP1 ``FlatParameter`` gradients and ``use_orig_params``
     views (sharded), CPU-offloaded gradients next to device ones, fp32/fp16/bf16/fp64, sparse
     gradients (coalesced, their values count). Norms accumulate in fp32 (fp64 for fp64
-    gradients) from per-tensor norms multiplied by ``1/scale`` before any power is taken; on the
-    CPU a per-tensor norm whose *scaled* value overflowed is recomputed from unscaled chunks, so
-    a large scale never turns finite gradients into a spurious overflow there. Precision: bf16
-    gradients on the CPU get per-tensor norms from torch's own kernel (fp32 accumulation, each
-    per-tensor norm rounded to bf16, relative error <= 2**-8, as
-    ``torch.nn.utils.clip_grad_norm_``, which also rounds the total to bf16); everything else
-    (CPU fp16/fp32, any dtype on accelerators) is exact to fp32. Norm types whose p-th power
+    gradients) from per-tensor norms multiplied by ``1/scale`` before any power is taken. On the
+    CPU, per-tensor norms for p = 1, 2, inf come from shardscale's compiled kernel, summed in
+    float64 (no overflow, underflow or bf16 rounding whatever the scale); without it (no C
+    compiler, other p) a per-tensor norm whose *scaled* value overflowed is recomputed from
+    unscaled chunks, so a large scale never turns finite gradients into a spurious overflow
+    there, and bf16 per-tensor norms come from torch's own kernel (each rounded to bf16,
+    relative error <= 2**-8, as ``torch.nn.utils.clip_grad_norm_``, which also rounds the total
+    to bf16). Everything else (any dtype on accelerators) is exact to fp32. Norm types whose p-th power
     sum overflows fp32 (a large ``p`` with gradients above 1) read as an overflow: the step is
     skipped (torch's recipe returns an inf norm and zeroes the gradients).
 
