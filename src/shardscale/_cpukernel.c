@@ -79,6 +79,14 @@ SS_CLONES static int f32_run(float *restrict x, int64_t n, float inv, int write)
   return bad;
 }
 
+/* 1 if a 16-bit float of the run is inf or NaN: its magnitude bits exceed `max_finite`
+ * (bf16 0x7f7f, fp16 0x7bff). */
+SS_CLONES static int check_16(const uint16_t *restrict x, int64_t n, int32_t max_finite) {
+  int32_t bad = 0;
+  for (int64_t i = 0; i < n; i++) bad |= (int32_t)(x[i] & 0x7fff) > max_finite;
+  return bad;
+}
+
 SS_CLONES static int bf16_run(uint16_t *restrict x, int64_t n, float inv, int write) {
   int32_t bad = 0;
   if (write) {
@@ -96,16 +104,12 @@ SS_CLONES static int bf16_run(uint16_t *restrict x, int64_t n, float inv, int wr
       x[i] = (uint16_t)(r >> 16);
     }
   } else {
-    for (int64_t i = 0; i < n; i++) bad |= (int32_t)(x[i] & 0x7fff) > 0x7f7f;
+    bad = check_16(x, n, 0x7f7f);
   }
   return bad;
 }
 
-SS_CLONES static int f16_check(const uint16_t *restrict x, int64_t n) {
-  int32_t bad = 0;
-  for (int64_t i = 0; i < n; i++) bad |= (int32_t)(x[i] & 0x7fff) > 0x7bff;
-  return bad;
-}
+static int f16_check(const uint16_t *restrict x, int64_t n) { return check_16(x, n, 0x7bff); }
 
 #if SS_F16C
 /* float16 <-> float32 through the F16C instructions (round to nearest even), 8 lanes at a time. */
