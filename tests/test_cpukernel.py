@@ -8,6 +8,7 @@ import math
 import os
 import shutil
 import tempfile
+from array import array
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,8 +30,9 @@ FACTORS = [1.0, 0.5, 2.0**-16, 1 / 3, 3.7e-3, 7.0, 1e30, 2.0**-140]
 
 @pytest.fixture(autouse=True)
 def every_size_compiled(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Writes to tensors of any size go through the compiled kernel here (by default tensors
-    under ``_SMALL`` elements stay with torch's kernel), so tails and tiny tensors are tested."""
+    """Writes to tensors of any size and number go through the compiled kernel here (by default
+    only ``_SMALL_CAP`` tensors under ``_SMALL`` elements do), so tails and tiny tensors are
+    tested."""
     monkeypatch.setattr(_cpukernel, "_SMALL", 0)
 
 
@@ -469,14 +471,19 @@ def test_a_symlink_in_the_shared_temp_dir_is_refused(kernel, fresh, tmp_path) ->
     assert not list(target.iterdir())
 
 
-def test_small_tensors_stay_with_torchs_kernel(kernel, monkeypatch) -> None:
+def test_small_tensors_beyond_the_cap_stay_with_torchs_kernel(kernel, monkeypatch) -> None:
     monkeypatch.setattr(_cpukernel, "_SMALL", 8192)
-    small, big = torch.randn(100), torch.randn(10_000)
-    _, _, taken, rest = _cpukernel._flat([small, big], torch.float32, writes=True)
-    assert taken == [big] and rest == [small]
-    _assert_same([small, big], 0.5)
-    _, _, taken, rest = _cpukernel._flat([small, big], torch.float32, writes=False)
-    assert len(taken) == 2 and not rest  # norms (reads) take every size
+    monkeypatch.setattr(_cpukernel, "_SMALL_CAP", 2)
+    small = [torch.randn(100) for _ in range(4)]
+    big = torch.randn(10_000)
+    grads = [small[0], big, small[1], small[2], small[3]]
+    batch = _cpukernel._flat(grads, torch.float32, writes=True)
+    assert batch.taken == [small[0], big, small[1]] and batch.rest == small[2:]
+    assert list(batch.lens) == [100, 10_000, 100]
+    assert list(batch.ptrs) == [t.data_ptr() for t in batch.taken]
+    _assert_same(grads, 0.5)
+    batch = _cpukernel._flat(grads, torch.float32, writes=False)
+    assert len(batch.taken) == 5 and not batch.rest  # norms (reads) take every size
 
 
 def _unscale_in_child(sizes: list[int]) -> None:
@@ -659,3 +666,59 @@ def test_a_hung_compiler_is_killed_with_its_children(fresh, tmp_path) -> None:
     while alive() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not alive()
+
+
+def _call_kernel(views: list[torch.Tensor], inv: float, found: torch.Tensor) -> int:
+    fns = _cpukernel._load()[1]
+    ptrs = array("q", [v.data_ptr() for v in views])
+    lens = array("q", [v.numel() for v in views])
+    factor = torch.tensor(inv)
+    return fns.unscale(
+        ptrs.buffer_info()[0], lens.buffer_info()[0], len(views), 0,
+        factor.data_ptr(), found.data_ptr(), 2,
+    )  # fmt: skip
+
+
+def test_the_kernel_refuses_overlapping_memory_before_writing(kernel) -> None:
+    """Threads writing shared memory would race: the C code checks the ranges first and writes
+    nothing (not even found_inf) when two overlap; touching or disjoint ranges are fine."""
+    a = torch.full((100_000,), 4.0)
+    a[70_000] = float("inf")
+    found = torch.zeros(())
+    assert _call_kernel([a[50_000:], a[:60_000]], 0.5, found) == 1
+    assert found.item() == 0.0 and torch.equal(a[:70_000], torch.full((70_000,), 4.0))
+    assert _call_kernel([a[50_000:], a[:60_000]], 1.0, found) == 0  # factor 1 writes nothing
+    assert found.item() == 1.0
+    assert _call_kernel([a[50_000:], a[:50_000]], 0.5, found) == 0  # touching, not overlapping
+    assert torch.equal(a[:70_000], torch.full((70_000,), 2.0))
+
+
+def test_a_refused_batch_goes_to_torchs_kernel(kernel, monkeypatch) -> None:
+    """-1 (no memory for the overlap check): nothing was written, torch's kernel does it all."""
+    status, fns, codes = _cpukernel._load()
+    calls = []
+
+    def refuse(*args: object) -> int:
+        calls.append(args)
+        return -1
+
+    monkeypatch.setattr(_cpukernel, "_loaded", (status, _cpukernel._Fns(refuse, fns.norms), codes))
+    grads = [torch.randn(50_000) * 8, torch.randn(100)]
+    grads[0][3] = float("inf")
+    _assert_same(grads, 0.5)
+    assert len(calls) == 1
+
+
+def test_a_gradient_listed_twice_is_detected_by_the_kernel_and_multiplied_twice(kernel) -> None:
+    """The same memory twice in one call (as torch's foreach kernel, which multiplies it twice):
+    the kernel refuses the batch, both go to torch's kernel, the rest to the kernel."""
+    g, other = torch.randn(40_000), torch.randn(40_000)
+    g2, other2 = g.clone(), other.clone()
+    batch = _cpukernel._flat([g, other, g], torch.float32, writes=True)
+    assert len(batch.taken) == 3
+    _cpukernel.unscale_batch_(batch, torch.zeros(()), torch.tensor(0.25))
+    assert batch.taken == [other] and batch.rest == [g, g]
+    torch._amp_foreach_non_finite_check_and_unscale_(
+        [g2, other2, g2], torch.zeros(()), torch.tensor(0.25)
+    )
+    assert torch.equal(g, g2) and torch.equal(other, other2)

@@ -859,3 +859,119 @@ def test_inverse_scale_follows_every_write_of_the_scale():
     assert unscaled(4.0) == 1.0  # -> 8
     scaler._scale.fill_(2.0)  # torch's private attribute, written in place
     assert unscaled(2.0) == 1.0
+
+
+# ------------------------------------------------------- the CPU unscale path's fixed costs
+def _layout_params() -> list[nn.Parameter]:
+    gen = torch.Generator().manual_seed(0)
+    shapes = [
+        (300, 100),
+        (50,),
+        (7,),
+        (100, 300),
+        (8, 16, 5, 5),
+        (3000,),
+        (64,),
+        (20_000,),
+        (100, 90),
+    ]
+    return [nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+
+
+def _layout_grads(params: list[nn.Parameter], step: int) -> list[torch.Tensor]:
+    """Scaled gradients of every layout: contiguous, small, transposed, channels-last, a slice
+    with gaps between its rows; an inf at step 2."""
+    gen = torch.Generator().manual_seed(100 + step)
+    grads = []
+    for i, p in enumerate(params):
+        if i == 3:  # transposed: not contiguous
+            g = torch.randn(p.shape[::-1], generator=gen).t()
+        elif i == 8:  # rows of 90 elements 120 apart
+            g = torch.randn(100, 120, generator=gen)[:, :90]
+        else:
+            g = torch.randn(p.shape, generator=gen)
+        if i == 4:
+            g = g.contiguous(memory_format=torch.channels_last)
+        g.mul_(1024.0)  # in place: keeps the layout
+        if step == 2 and i == 5:
+            g[17] = float("inf")
+        grads.append(g)
+    return grads
+
+
+@pytest.mark.parametrize("small_cap", [0, 2, 128])
+def test_every_gradient_layout_unscales_as_torch_bit_for_bit(monkeypatch, small_cap) -> None:
+    """Whichever gradients the compiled CPU kernel takes (small ones up to the cap, dense ones)
+    and which go to torch's kernel, unscaled gradients, steps and scales equal torch's."""
+    from shardscale import _cpukernel
+
+    monkeypatch.setattr(_cpukernel, "_SMALL_CAP", small_cap)
+    runs = []
+    for make in (ShardedGradScaler, torch.amp.GradScaler):
+        params = _layout_params()
+        opt = torch.optim.SGD(params, lr=0.01)
+        scaler = make("cpu", init_scale=1024.0, growth_interval=2)
+        seen = []
+        for step in range(5):
+            scaler.scale(torch.ones(()))
+            for p, g in zip(params, _layout_grads(params, step), strict=True):
+                p.grad = g
+            scaler.unscale_(opt)
+            seen += [p.grad.clone() for p in params]
+            scaler.step(opt)
+            scaler.update()
+            seen.append(torch.tensor(scaler.get_scale()))
+        runs.append(seen + [p.detach() for p in params])
+        assert not params[8].grad.is_contiguous() and params[4].grad.is_contiguous(
+            memory_format=torch.channels_last
+        )
+    for ours, theirs in zip(*runs, strict=True):
+        assert ours.stride() == theirs.stride()
+        assert torch.equal(ours, theirs)
+
+
+def test_cpu_found_inf_flags_are_never_shared_or_reused() -> None:
+    """CPU flags come from a preallocated buffer; each is handed out once and starts at 0."""
+    from shardscale import _grads
+
+    flags = [_grads.zero_flag(torch.device("cpu")) for _ in range(150)]
+    assert all(f.dim() == 0 and f.dtype == torch.float32 and f.item() == 0.0 for f in flags)
+    assert len({f.data_ptr() for f in flags}) == 150
+    flags[0].fill_(1.0)
+    assert sum(f.item() for f in flags) == 1.0
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ShardedGradScaler("cpu", init_scale=2.0**8)
+    kept = []
+    for i in range(70):  # more iterations than one buffer holds
+        scaler.scale(loss_at(model, i % 24, {1: float("inf")} if i == 1 else {})).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        kept.append(scaler.last_step_skipped())
+    assert [bool(k) for k in kept] == [i == 1 for i in range(70)]
+
+
+def test_process_groups_are_resolved_again_only_when_they_change(monkeypatch) -> None:
+    from shardscale import _sync
+
+    calls = []
+    world = {"group": None}
+    monkeypatch.setattr(_sync, "default_group", lambda: world["group"])
+    monkeypatch.setattr(_sync, "resolve_groups", lambda pg: calls.append(pg) or [])
+    scaler = ShardedGradScaler("cpu")
+    assert scaler._groups() == [] and scaler._groups() == []
+    assert len(calls) == 1
+    world["group"] = object()  # init_process_group after the scaler was made
+    scaler._groups()
+    scaler._groups()
+    assert len(calls) == 2
+    scaler.process_group = first = object()  # reassigned
+    scaler._groups()
+    scaler._groups()
+    assert calls[-1] is first and len(calls) == 3
+    scaler.process_group = [first]  # a list may change in place: resolved every time
+    scaler._groups()
+    scaler._groups()
+    assert len(calls) == 5
+    assert copy.copy(scaler)._groups_cache is None

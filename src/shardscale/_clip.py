@@ -132,7 +132,7 @@ def clip_grad_norm_(
     params = None if is_optimizer else _param_list(optimizer_or_params)
     max_norm_f = _check_max_norm(max_norm)
     p = _check_norm_type(norm_type)
-    groups = _sync.resolve_groups(scaler.process_group)
+    groups = scaler._groups()
     if len(groups) > 1:
         raise NotImplementedError(
             "clip_grad_norm_() supports one process group (or a 1-D DeviceMesh); this scaler "

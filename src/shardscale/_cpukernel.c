@@ -174,19 +174,56 @@ static void thread_range(int64_t total, int64_t align, int64_t *lo, int64_t *hi)
   if (t + 1 < nt) *hi -= *hi % align;
 }
 
+typedef struct {
+  uintptr_t lo, hi;
+} span_t;
+
+static int span_order(const void *a, const void *b) {
+  const uintptr_t x = ((const span_t *)a)->lo, y = ((const span_t *)b)->lo;
+  return (x > y) - (x < y);
+}
+
+/* 1 if two of the memory ranges [ptrs[j], ptrs[j] + lens[j] * esize) overlap, else 0; -1 if out
+ * of memory. Sorts a copy of the ranges by start: O(k log k). */
+static int overlapping(char **ptrs, const int64_t *lens, int64_t k, int64_t esize) {
+  if (k < 2) return 0;
+  span_t *span = malloc(sizeof(span_t) * (size_t)k);
+  if (span == NULL) return -1;
+  for (int64_t j = 0; j < k; j++) {
+    span[j].lo = (uintptr_t)ptrs[j];
+    span[j].hi = span[j].lo + (uintptr_t)(lens[j] * esize);
+  }
+  qsort(span, (size_t)k, sizeof(span_t), span_order);
+  int clash = 0;
+  uintptr_t reach = span[0].hi; /* the furthest end so far */
+  for (int64_t j = 1; j < k && !clash; j++) {
+    clash = span[j].lo < reach;
+    if (span[j].hi > reach) reach = span[j].hi;
+  }
+  free(span);
+  return clash;
+}
+
 /*
  * Multiply the k tensors ptrs[j] (lens[j] elements of one dtype each, contiguous) in place by
  * *inv_scale and set *found_inf = 1.0f if any element is inf or NaN. The elements of all k
  * tensors, counted end to end, are split into equal ranges cut at multiples of 64 bytes' worth of
- * elements, one per thread (one parallel region). The tensors must not overlap (a range could
- * then be written by two threads): the caller passes each memory block once.
+ * elements, one per thread (one parallel region).
+ *
+ * Returns 0; or, writing nothing at all, 1 if two tensors' memory overlaps (threads would race
+ * on it: the caller then passes each memory block once) or -1 if out of memory for that check.
+ * With *inv_scale == 1 nothing is written, and overlaps are fine.
  */
-void shardscale_unscale(char **ptrs, const int64_t *lens, int64_t k, int dtype,
-                        const float *inv_scale, float *found_inf, int num_threads) {
+int shardscale_unscale(char **ptrs, const int64_t *lens, int64_t k, int dtype,
+                       const float *inv_scale, float *found_inf, int num_threads) {
   const float inv = *inv_scale;
   const int write = inv != 1.0f;
   const int64_t esize = dtype == SS_F32 ? 4 : 2;
   const int64_t align = 64 / esize;
+  if (write) {
+    const int clash = overlapping(ptrs, lens, k, esize);
+    if (clash) return clash;
+  }
   int64_t total;
   num_threads = threads_for(lens, k, num_threads, &total);
   int bad = 0;
@@ -203,6 +240,7 @@ void shardscale_unscale(char **ptrs, const int64_t *lens, int64_t k, int dtype,
     }
   }
   if (bad) *found_inf = 1.0f;
+  return 0;
 }
 
 /* ------------------------------------------------------------------------------------ norms */

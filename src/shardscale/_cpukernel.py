@@ -70,9 +70,13 @@ _FLAGS = (
 )
 _CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _BUILD_TIMEOUT_S = 300
-#: Writes to tensors below this many elements stay with torch's foreach kernels: there the
-#: Python per tensor (~0.5 us) costs more than the kernel saves.
+#: A batch for writes takes at most ``_SMALL_CAP`` tensors of fewer than ``_SMALL`` elements
+#: (biases, norm weights); further small ones stay with torch's foreach kernel. Taking one costs
+#: ~0.35 us of Python (its address and layout); the one torch call that handles the small tensors
+#: left over costs ~10 us, and ~50 us right after a backward pass has streamed through the caches:
+#: few small tensors are cheaper in the kernel, thousands cheaper in torch's.
 _SMALL = 8192
+_SMALL_CAP = 128
 
 
 @dataclass(frozen=True)
@@ -99,8 +103,9 @@ _PTR, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 #: The C functions: name -> (argument types, result type)
 _SIGNATURES = {
     "shardscale_supports": ([_INT], _INT),  # dtype code
-    # ptrs, lens, k, dtype, inv_scale*, found_inf*, threads
-    "shardscale_unscale": ([_PTR, _PTR, _I64, _INT, _PTR, _PTR, _INT], None),
+    # ptrs, lens, k, dtype, inv_scale*, found_inf*, threads -> 0, or 1 (overlap) / -1 (no
+    # memory) with nothing written
+    "shardscale_unscale": ([_PTR, _PTR, _I64, _INT, _PTR, _PTR, _INT], _INT),
     # ptrs, lens, k, dtype, p code, out*, threads -> 0 or -1
     "shardscale_norms": ([_PTR, _PTR, _I64, _INT, _INT, _PTR, _INT], _INT),
 }
@@ -367,60 +372,107 @@ def _dense(t: torch.Tensor) -> bool:
     )
 
 
-def _plain_scalar(t: torch.Tensor) -> bool:
-    """A plain 0-d (or 1-element) float32 CPU tensor with real storage (not a FakeTensor or a
-    wrapper subclass, whose ``data_ptr()`` is not its data)."""
-    return (
-        type(t) is torch.Tensor
-        and t.dtype is torch.float32
-        and t.is_cpu
-        and t.numel() == 1
-        and t.data_ptr() != 0
-    )
+def _scalar_ptr(t: torch.Tensor) -> int:
+    """The address of ``t``'s element if it is a plain 0-d (or 1-element) float32 CPU tensor
+    with real storage (not a FakeTensor or a wrapper subclass, whose ``data_ptr()`` is not its
+    data), else 0."""
+    if type(t) is torch.Tensor and t.dtype is torch.float32 and t.is_cpu and t.numel() == 1:
+        return t.data_ptr()
+    return 0
 
 
-def _flat(
-    grads: list[torch.Tensor], dtype: torch.dtype, writes: bool
-) -> tuple[array, array, list[torch.Tensor], list[torch.Tensor]]:
-    """Split ``grads`` into what the kernel may treat as flat arrays of ``dtype`` and the rest.
+class Batch:
+    """CPU tensors of one dtype, split as they are added between the compiled kernel and torch's.
 
-    Returns ``(pointers, lengths, taken, rest)``. Taken: plain CPU tensors (not subclasses: a
-    wrapper's ``data_ptr()`` is not its data) of exactly ``dtype``, dense, non-empty and aligned
-    to their element size; when ``writes``, only tensors of at least ``_SMALL`` elements whose
-    memory overlaps no other's (threads would race on it: overlapping ones go to ``rest`` and
-    are handled after the kernel, one by one, as torch would).
+    Bucketing fills one per CPU dtype in its single pass over the gradients
+    (:func:`shardscale._grads.bucket_grads`), so the kernel's pointer and length arrays cost no
+    second pass. ``taken``: plain CPU tensors (not subclasses: a wrapper's ``data_ptr()`` is not
+    its data) of exactly ``dtype``, dense (contiguous or channels-last), non-empty and aligned to
+    their element size (for writes, at most ``_SMALL_CAP`` of them with under ``_SMALL``
+    elements: for many small tensors torch's one foreach call is cheaper than our Python per
+    tensor); their addresses in ``ptrs`` and element counts in ``lens``. ``rest``: everything
+    else, in the order added (all of it when the kernel is not loaded or has no path for
+    ``dtype``).
     """
-    esize = 4 if dtype == torch.float32 else 2
-    ptrs: list[int] = []
-    lens: list[int] = []
-    taken: list[torch.Tensor] = []
-    rest: list[torch.Tensor] = []
-    small = _SMALL if writes else 0
-    for g in grads:
-        if g.numel() < small:
-            pass  # to torch: its one foreach call is cheaper than our Python per tensor
-        elif type(g) is torch.Tensor and g.dtype is dtype and g.is_cpu and _dense(g):
-            ptr = g.data_ptr()
-            if ptr and not ptr % esize:
-                ptrs.append(ptr)
-                lens.append(g.numel())
-                taken.append(g)
-                continue
-        rest.append(g)
-    if writes and len(taken) > 1:
-        clash = _overlapping(ptrs, lens, esize)
+
+    __slots__ = ("dtype", "ptrs", "lens", "taken", "rest", "_esize", "_small_left", "_on")
+
+    def __init__(self, dtype: torch.dtype, writes: bool = True) -> None:
+        _, fns, codes = _load()
+        self.dtype = dtype
+        self.ptrs = array("q")
+        self.lens = array("q")
+        self.taken: list[torch.Tensor] = []
+        self.rest: list[torch.Tensor] = []
+        self._esize = 4 if dtype == torch.float32 else 2
+        self._small_left = _SMALL_CAP if writes else -1  # -1: no limit
+        self._on = fns is not None and _CODES.get(dtype) in codes
+
+    def add(self, t: torch.Tensor, numel: int) -> None:
+        """Add ``t`` (``numel``: its ``numel()``, which the caller has read already)."""
+        if (
+            self._on
+            and numel
+            and type(t) is torch.Tensor
+            and t.dtype is self.dtype
+            and t.is_cpu
+            and (numel >= _SMALL or self._small_left)
+            and _dense(t)
+        ):
+            ptr = t.data_ptr()
+            if ptr and not ptr % self._esize:
+                if numel < _SMALL and self._small_left > 0:
+                    self._small_left -= 1
+                self.ptrs.append(ptr)
+                self.lens.append(numel)
+                self.taken.append(t)
+                return
+        self.rest.append(t)
+
+    def add_dense(self, t: torch.Tensor, numel: int) -> None:
+        """:meth:`add` for a tensor the caller has checked is a plain (``type(t) is
+        torch.Tensor``), strided CPU tensor of ``dtype`` with ``numel > 0`` elements: it reads
+        only what is left to check (layout in memory, address)."""
+        if self._on and (numel >= _SMALL or self._small_left) and t.is_contiguous():
+            ptr = t.data_ptr()
+            if ptr and not ptr % self._esize:
+                if numel < _SMALL and self._small_left > 0:
+                    self._small_left -= 1
+                self.ptrs.append(ptr)
+                self.lens.append(numel)
+                self.taken.append(t)
+                return
+        self.add(t, numel)  # channels-last, or not aligned: the general checks decide
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor added: ``taken`` then ``rest``."""
+        return self.taken + self.rest
+
+    def drop_overlaps(self) -> None:
+        """Move taken tensors whose memory overlaps another taken one's to ``rest`` (threads
+        writing both would race; torch's kernel then handles them one by one). Run when the
+        kernel refused the batch for it (it checks before writing anything)."""
+        if len(self.taken) < 2:
+            return
+        clash = _overlapping(self.ptrs, self.lens, self._esize)
         if clash:
-            keep = [i for i in range(len(taken)) if i not in clash]
-            rest += [taken[i] for i in sorted(clash)]
-            ptrs, lens, taken = (
-                [ptrs[i] for i in keep],
-                [lens[i] for i in keep],
-                [taken[i] for i in keep],
-            )
-    return array("q", ptrs), array("q", lens), taken, rest
+            keep = [i for i in range(len(self.taken)) if i not in clash]
+            self.rest += [self.taken[i] for i in sorted(clash)]
+            self.ptrs = array("q", [self.ptrs[i] for i in keep])
+            self.lens = array("q", [self.lens[i] for i in keep])
+            self.taken = [self.taken[i] for i in keep]
 
 
-def _overlapping(ptrs: list[int], lens: list[int], esize: int) -> set[int]:
+def _flat(grads: list[torch.Tensor], dtype: torch.dtype, writes: bool) -> Batch:
+    """``grads`` split for the kernel (:class:`Batch`)."""
+    batch = Batch(dtype, writes)
+    for g in grads:
+        batch.add(g, g.numel())
+    return batch
+
+
+def _overlapping(ptrs: array, lens: array, esize: int) -> set[int]:
     """Indices of the memory ranges ``[ptr, ptr + len * esize)`` that overlap another one."""
     clash: set[int] = set()
     reach, owner = -1, -1  # the furthest end so far, and whose it is
@@ -433,31 +485,38 @@ def _overlapping(ptrs: list[int], lens: list[int], esize: int) -> set[int]:
     return clash
 
 
+def unscale_batch_(batch: Batch, found_inf: torch.Tensor, factor: torch.Tensor) -> None:
+    """Multiply ``batch``'s tensors by ``factor`` in place and set ``found_inf`` to 1.0 if one
+    holds inf or NaN: the compiled kernel over ``taken`` (one call), torch's
+    ``_amp_foreach_non_finite_check_and_unscale_`` over the rest. Arguments as
+    :func:`foreach_unscale_`; tensors' version counters are left alone, as torch's kernel does."""
+    _, rest = _unscale(batch, found_inf, factor)
+    if rest:
+        with torch.no_grad():
+            torch._amp_foreach_non_finite_check_and_unscale_(rest, found_inf, factor)
+
+
 def _unscale(
-    grads: list[torch.Tensor], found_inf: torch.Tensor, factor: torch.Tensor
+    batch: Batch, found_inf: torch.Tensor, factor: torch.Tensor
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Run the compiled unscale on what it can take; return ``(taken, rest)``."""
-    _, fns, codes = _load()
-    dtype = grads[0].dtype if grads else None
-    if (
-        fns is None
-        or _forced_torch
-        or _CODES.get(dtype) not in codes
-        or not (_plain_scalar(found_inf) and _plain_scalar(factor))
-    ):
-        return [], grads
-    ptrs, lens, taken, rest = _flat(grads, dtype, writes=True)
-    if taken:
-        fns.unscale(
-            ptrs.buffer_info()[0],
-            lens.buffer_info()[0],
-            len(taken),
-            _CODES[dtype],
-            factor.data_ptr(),
-            found_inf.data_ptr(),
-            torch.get_num_threads(),
-        )
-    return taken, rest
+    """Run the compiled unscale on what ``batch`` lets it take; return ``(taken, rest)``: what
+    it wrote and what is left for torch's kernel."""
+    if not batch.taken or _forced_torch:
+        return [], batch.tensors if _forced_torch else batch.rest
+    flag, inv = _scalar_ptr(found_inf), _scalar_ptr(factor)
+    if not (flag and inv):
+        return [], batch.tensors
+    unscale = _load()[1].unscale  # type: ignore[union-attr]  # nothing is taken without it
+    threads = torch.get_num_threads()
+    args = (_CODES[batch.dtype], inv, flag, threads)
+    rc = unscale(batch.ptrs.buffer_info()[0], batch.lens.buffer_info()[0], len(batch.taken), *args)
+    if rc:  # nothing written: memory shared by two tensors (the C code checks; -1: no memory)
+        batch.drop_overlaps()
+        if rc < 0 or unscale(
+            batch.ptrs.buffer_info()[0], batch.lens.buffer_info()[0], len(batch.taken), *args
+        ):
+            return [], batch.tensors
+    return batch.taken, batch.rest
 
 
 def foreach_unscale_(
@@ -477,9 +536,8 @@ def foreach_unscale_(
     kernel. Same results as torch's kernel bit for bit on every non-NaN element; like it, the
     tensors' version counters are left alone.
     """
-    _, rest = _unscale(grads, found_inf, inv_scale)
-    if rest:
-        torch._amp_foreach_non_finite_check_and_unscale_(rest, found_inf, inv_scale)
+    if grads:
+        unscale_batch_(_flat(grads, grads[0].dtype, writes=True), found_inf, inv_scale)
 
 
 def foreach_mul_(grads: list[torch.Tensor], factor: torch.Tensor) -> None:
@@ -487,7 +545,10 @@ def foreach_mul_(grads: list[torch.Tensor], factor: torch.Tensor) -> None:
     through the compiled kernel where possible: the same bits (each element widened to float32,
     multiplied, rounded to nearest-even; nothing written when ``factor`` is 1) and, as torch's,
     the tensors' version counters bumped. The rest goes through ``torch._foreach_mul_``."""
-    taken, rest = _unscale(grads, torch.zeros((), dtype=torch.float32), factor)
+    if not grads:
+        return
+    batch = _flat(grads, grads[0].dtype, writes=True)
+    taken, rest = _unscale(batch, torch.zeros((), dtype=torch.float32), factor)
     if taken:
         try:
             torch.autograd.graph.increment_version(taken)
@@ -521,14 +582,14 @@ def foreach_norm(grads: list[torch.Tensor], p: float) -> torch.Tensor | None:
     dtype = grads[0].dtype
     if _CODES.get(dtype) not in codes:
         return None
-    ptrs, lens, taken, rest = _flat(grads, dtype, writes=False)
-    if rest:
+    batch = _flat(grads, dtype, writes=False)
+    if batch.rest:
         return None
-    k = len(taken)
+    k = len(batch.taken)
     out = torch.empty(k, dtype=torch.float64)
     rc = fns.norms(
-        ptrs.buffer_info()[0],
-        lens.buffer_info()[0],
+        batch.ptrs.buffer_info()[0],
+        batch.lens.buffer_info()[0],
         k,
         _CODES[dtype],
         code,

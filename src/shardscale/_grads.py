@@ -9,7 +9,7 @@ from collections.abc import Container, Iterator
 
 import torch
 
-from ._cpukernel import foreach_unscale_
+from ._cpukernel import Batch, unscale_batch_
 from ._sync import to_device
 
 try:  # DTensor is public from torch 2.5 on; keep the import soft for other builds.
@@ -17,7 +17,11 @@ try:  # DTensor is public from torch 2.5 on; keep the import soft for other buil
 except ImportError:  # pragma: no cover - torch built without distributed
     DTensor = None  # type: ignore[assignment,misc]
 
-Buckets = dict[torch.device, dict[torch.dtype, list[torch.Tensor]]]
+#: ``{device: {dtype: tensors}}``; CPU buckets are :class:`~shardscale._cpukernel.Batch` objects
+#: (the tensors split for the compiled kernel as they were gathered), the others lists.
+Buckets = dict[torch.device, dict[torch.dtype, "list[torch.Tensor] | Batch"]]
+
+_CPU = torch.device("cpu")
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -36,6 +40,8 @@ def iter_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
     for group in optimizer.param_groups:
         yield from group["params"]
 
+
+_Parameter = torch.nn.Parameter
 
 #: Floating-point dtypes a gradient may have (a set lookup is cheaper than is_floating_point()).
 _FLOAT_DTYPES = frozenset(
@@ -110,14 +116,18 @@ def bucket_grads(optimizer: torch.optim.Optimizer, skip: Container[int] = ()) ->
     two param groups: torch only warns) is taken once, so it is unscaled once.
 
     Returns:
-        ``{device: {dtype: [tensor, ...]}}`` of dense tensors (local DTensor shards, values of
-        sparse gradients), in the optimizer's parameter order. Parameters without ``.grad`` and
-        empty shards are left out, so a rank that holds no shard gets ``{}``.
+        ``{device: {dtype: tensors}}`` of dense tensors (local DTensor shards, values of sparse
+        gradients), in the optimizer's parameter order: a list per accelerator bucket, a
+        :class:`~shardscale._cpukernel.Batch` per CPU bucket (filled in this same pass: the
+        compiled kernel's pointer arrays cost no second loop over the gradients). Parameters
+        without ``.grad`` and empty shards are left out, so a rank that holds no shard gets
+        ``{}``.
 
     Raises:
         TypeError: a parameter is not a tensor, or a gradient is not floating point.
     """
     buckets: Buckets = {}
+    cpu: dict[torch.dtype, Batch] | None = None
     seen: set[int] = set()  # a parameter listed twice (torch only warns) is unscaled once
     for group in optimizer.param_groups:
         for param in group["params"]:
@@ -125,19 +135,63 @@ def bucket_grads(optimizer: torch.optim.Optimizer, skip: Container[int] = ()) ->
             if key in seen or (skip and key in skip):
                 continue
             seen.add(key)
-            grad = plain_grad(param)
-            values = grad_values(param) if grad is None else grad
+            # This runs once per parameter per step, right after the backward pass has
+            # streamed through the caches: the common case, a plain parameter with a dense CPU
+            # gradient, reads as few tensor attributes as it can (each costs ~0.5 us cold).
+            grad = param.grad if type(param) is _Parameter else None
+            if type(grad) is torch.Tensor and grad.is_cpu and grad.layout is torch.strided:
+                dtype, numel = grad.dtype, grad.numel()
+                if numel and dtype in _FLOAT_DTYPES:
+                    if cpu is None:
+                        cpu = buckets[_CPU] = {}  # type: ignore[assignment]
+                    batch = cpu.get(dtype)
+                    if batch is None:
+                        batch = cpu[dtype] = Batch(dtype)
+                    batch.add_dense(grad, numel)
+                    continue
+            values = grad_values(param)  # the general case; validates (TypeError/ValueError)
             if values is None:
                 continue
-            per_dtype = buckets.get(values.device)
+            device = values.device
+            if device.type == "cpu":
+                if cpu is None:
+                    cpu = buckets[_CPU] = {}  # type: ignore[assignment]
+                batch = cpu.get(values.dtype)
+                if batch is None:
+                    batch = cpu[values.dtype] = Batch(values.dtype)
+                batch.add(values, values.numel())
+                continue
+            per_dtype = buckets.get(device)
             if per_dtype is None:
-                per_dtype = buckets[values.device] = {}
+                per_dtype = buckets[device] = {}
             same = per_dtype.get(values.dtype)
             if same is None:
                 per_dtype[values.dtype] = [values]
             else:
-                same.append(values)
+                same.append(values)  # type: ignore[union-attr]
     return buckets
+
+
+#: CPU found-inf flags handed out by :func:`zero_flag`: 0-d views of one zeroed buffer.
+_CPU_FLAGS: list[torch.Tensor] = []
+_FLAGS_PER_BUFFER = 64
+
+
+def zero_flag(device: torch.device) -> torch.Tensor:
+    """A new 0-d float32 zero on ``device``, for a found-inf flag.
+
+    On the CPU it is a 0-d view of a zeroed buffer allocated for 64 flags at a time, each view
+    handed out once (never reused, so a flag a caller keeps never changes): right after a
+    backward pass a first ``torch.zeros`` costs ~40 us of cold dispatch. Elsewhere
+    ``torch.zeros`` (an accelerator's buffer would be zeroed on whichever stream was current).
+    """
+    if device.type != "cpu":
+        return torch.zeros((), dtype=torch.float32, device=device)
+    try:
+        return _CPU_FLAGS.pop()
+    except IndexError:
+        _CPU_FLAGS.extend(torch.zeros(_FLAGS_PER_BUFFER, dtype=torch.float32).unbind())
+        return _CPU_FLAGS.pop()
 
 
 def unscale_and_check(
@@ -160,20 +214,20 @@ def unscale_and_check(
         the device held inf or NaN, else 0.0. No host synchronisation.
     """
     flags: dict[torch.device, torch.Tensor] = {}
-    with torch.no_grad():
-        for device, per_dtype in buckets.items():
-            flag = torch.zeros((), dtype=torch.float32, device=device)
-            if inv_scale is None:
-                inv = torch.ones((), dtype=torch.float32, device=device)
-            elif inv_scale.device == device:
-                inv = inv_scale
-            else:
-                inv = to_device(inv_scale, device)
-            if device.type == "cpu":
+    for device, per_dtype in buckets.items():
+        flag = zero_flag(device)
+        if inv_scale is None:
+            inv = torch.ones((), dtype=torch.float32, device=device)
+        elif inv_scale.device == device:
+            inv = inv_scale
+        else:
+            inv = to_device(inv_scale, device)
+        if device.type == "cpu":  # the compiled kernel; torch's (under no_grad) for the rest
+            for batch in per_dtype.values():
+                unscale_batch_(batch, flag, inv)  # type: ignore[arg-type]
+        else:
+            with torch.no_grad():
                 for grads in per_dtype.values():
-                    foreach_unscale_(grads, flag, inv)
-            else:
-                for grads in per_dtype.values():
-                    torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv)
-            flags[device] = flag
+                    torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv)  # type: ignore[arg-type]
+        flags[device] = flag
     return flags

@@ -31,6 +31,9 @@ _BACKEND_DEVICES = {
 }
 
 
+_DISTRIBUTED = dist.is_available()
+
+
 def _is_group(obj: object) -> bool:
     return dist.is_available() and isinstance(obj, dist.ProcessGroup)
 
@@ -61,6 +64,14 @@ def validate_process_group(process_group: object) -> None:
     )
 
 
+def default_group() -> dist.ProcessGroup | None:
+    """The default process group (``dist.group.WORLD``), or None when ``torch.distributed`` is
+    not initialized."""
+    if _DISTRIBUTED and dist.is_initialized():
+        return dist.group.WORLD
+    return None
+
+
 def resolve_groups(process_group: ProcessGroupLike) -> list[dist.ProcessGroup]:
     """The process groups to all-reduce over, with groups of size 1 left out.
 
@@ -68,9 +79,10 @@ def resolve_groups(process_group: ProcessGroupLike) -> list[dist.ProcessGroup]:
     the MAX over the whole mesh).
     """
     if process_group is None:
-        if not (dist.is_available() and dist.is_initialized()):
+        world = default_group()
+        if world is None:
             return []
-        items: list[Any] = [dist.group.WORLD]
+        items: list[Any] = [world]
     elif isinstance(process_group, (list, tuple)):
         items = list(process_group)
     else:

@@ -222,6 +222,8 @@ class ShardedGradScaler:
         self._pre_unscaled: dict[int, torch.Tensor] = {}
         # (scale tensor, its version, 1/scale): reused while the scale is not written
         self._inv_cache: tuple[torch.Tensor, int, torch.Tensor] | None = None
+        # (process_group, the default group, their resolved groups): see _groups()
+        self._groups_cache: tuple[Any, Any, list[Any]] | None = None
         self._skipped: dict[int, torch.Tensor] = {}
         self._last: _LastStep | None = None
         self._last_report: OverflowReport | None = None
@@ -343,6 +345,19 @@ class ShardedGradScaler:
         self._inv_cache = (scale, scale._version, inv)
         return inv
 
+    def _groups(self) -> list[Any]:
+        """:func:`_sync.resolve_groups` of ``self.process_group``: cached while it and the default
+        group are the same objects (``dist.get_world_size`` per group costs ~20 us per call right
+        after a backward pass). A list or tuple is resolved every time: a list may change."""
+        pg = self.process_group
+        world = _sync.default_group() if pg is None else None
+        cached = self._groups_cache
+        if cached is not None and cached[0] is pg and cached[1] is world:
+            return cached[2]
+        groups = _sync.resolve_groups(pg)
+        self._groups_cache = None if isinstance(pg, (list, tuple)) else (pg, world, groups)
+        return groups
+
     def _check(
         self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor | None
     ) -> torch.Tensor:
@@ -364,7 +379,7 @@ class ShardedGradScaler:
             if pre:  # gradients a clip_grad_norm_(params) already unscaled: their agreed flags
                 for flag in (pre[id(p)] for p in iter_params(optimizer) if id(p) in pre):
                     local = torch.maximum(local, flag)
-            groups = _sync.resolve_groups(self.process_group)
+            groups = self._groups()
             if not groups:
                 return local
             step = (self._state.counters[0] % 2**24).to(torch.float32)
@@ -572,7 +587,7 @@ class ShardedGradScaler:
         optimizers = [o for o in (ref() for ref in last.optimizers) if o is not None]
         entries = scan_local(optimizers, self._names, _sync.rank())
         if gather:  # collective: only where every rank detects the collapse at the same update
-            entries = gather_entries(entries, _sync.resolve_groups(self.process_group))
+            entries = gather_entries(entries, self._groups())
         error = collapse_error(self._config, last.index, float(last.scale), entries, _sync.rank())
         if self._config.on_collapse == "raise":
             raise error
@@ -718,7 +733,7 @@ class ShardedGradScaler:
         self, optimizers: list[torch.optim.Optimizer], scale: torch.Tensor, index: int
     ) -> OverflowReport:
         entries = scan_local(optimizers, self._names, _sync.rank())
-        entries = gather_entries(entries, _sync.resolve_groups(self.process_group))
+        entries = gather_entries(entries, self._groups())
         self._last_report = OverflowReport(index, float(scale), tuple(entries))
         return self._last_report
 
@@ -861,7 +876,7 @@ class ShardedGradScaler:
             state[key] = None
         state["_per_optimizer"], state["_skipped"], state["_pending_collapse"] = {}, {}, []
         state["_pre_unscaled"] = {}
-        state["_inv_cache"] = None
+        state["_inv_cache"] = state["_groups_cache"] = None
         state["process_group"] = None  # process groups cannot be pickled (copies share it)
         # report names are ids of this process's parameters: pickling drops them (call
         # set_param_names after loading); __copy__/__deepcopy__ keep or remap them
@@ -879,6 +894,7 @@ class ShardedGradScaler:
                 "_per_optimizer": {},
                 "_pre_unscaled": {},
                 "_inv_cache": None,
+                "_groups_cache": None,
                 "_skipped": {},
                 "_last": None,
                 "_last_report": None,
