@@ -395,7 +395,7 @@ class Batch:
     ``dtype``).
     """
 
-    __slots__ = ("dtype", "ptrs", "lens", "taken", "rest", "_esize", "_small_left", "_on")
+    __slots__ = ("dtype", "ptrs", "lens", "taken", "rest", "_esize", "_small_left", "_on", "_fns")
 
     def __init__(self, dtype: torch.dtype, writes: bool = True) -> None:
         _, fns, codes = _load()
@@ -407,6 +407,7 @@ class Batch:
         self._esize = 4 if dtype == torch.float32 else 2
         self._small_left = _SMALL_CAP if writes else -1  # -1: no limit
         self._on = fns is not None and _CODES.get(dtype) in codes
+        self._fns = fns
 
     def add(self, t: torch.Tensor, numel: int) -> None:
         """Add ``t`` (``numel``: its ``numel()``, which the caller has read already)."""
@@ -501,14 +502,13 @@ def _unscale(
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Run the compiled unscale on what ``batch`` lets it take; return ``(taken, rest)``: what
     it wrote and what is left for torch's kernel."""
-    if not batch.taken or _forced_torch:
-        return [], batch.tensors if _forced_torch else batch.rest
+    if not batch.taken:
+        return [], batch.rest
     flag, inv = _scalar_ptr(found_inf), _scalar_ptr(factor)
-    if not (flag and inv):
+    if _forced_torch or not (flag and inv):
         return [], batch.tensors
-    unscale = _load()[1].unscale  # type: ignore[union-attr]  # nothing is taken without it
-    threads = torch.get_num_threads()
-    args = (_CODES[batch.dtype], inv, flag, threads)
+    unscale = batch._fns.unscale  # type: ignore[union-attr]  # loaded, as taken is not empty
+    args = (_CODES[batch.dtype], inv, flag, torch.get_num_threads())
     rc = unscale(batch.ptrs.buffer_info()[0], batch.lens.buffer_info()[0], len(batch.taken), *args)
     if rc:  # nothing written: memory shared by two tensors (the C code checks; -1: no memory)
         batch.drop_overlaps()

@@ -6,6 +6,7 @@ Everything here is local to one rank: no collective, no host synchronisation.
 from __future__ import annotations
 
 from collections.abc import Container, Iterator
+from typing import Any
 
 import torch
 
@@ -108,6 +109,25 @@ def plain_grad(param: object) -> torch.Tensor | None:
     return None
 
 
+def unique_params(optimizer: torch.optim.Optimizer, skip: Container[int] = ()) -> list[Any]:
+    """``optimizer``'s parameters in order, each once (torch only warns about a parameter listed
+    twice, e.g. a tied weight in two param groups), without those whose ``id`` is in ``skip``.
+
+    The duplicate test is one ``set`` of ids built in C: no Python per parameter in the common
+    case (no duplicates, nothing skipped).
+    """
+    groups = optimizer.param_groups
+    if len(groups) == 1:
+        params = groups[0]["params"]
+    else:
+        params = [p for group in groups for p in group["params"]]
+    if len(set(map(id, params))) != len(params):
+        params = list({id(p): p for p in params}.values())  # the first of each, in order
+    if skip:
+        params = [p for p in params if id(p) not in skip]
+    return params
+
+
 def bucket_grads(optimizer: torch.optim.Optimizer, skip: Container[int] = ()) -> Buckets:
     """Group the local gradient tensors of ``optimizer`` by device and dtype.
 
@@ -128,47 +148,41 @@ def bucket_grads(optimizer: torch.optim.Optimizer, skip: Container[int] = ()) ->
     """
     buckets: Buckets = {}
     cpu: dict[torch.dtype, Batch] | None = None
-    seen: set[int] = set()  # a parameter listed twice (torch only warns) is unscaled once
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            key = id(param)
-            if key in seen or (skip and key in skip):
-                continue
-            seen.add(key)
-            # This runs once per parameter per step, right after the backward pass has
-            # streamed through the caches: the common case, a plain parameter with a dense CPU
-            # gradient, reads as few tensor attributes as it can (each costs ~0.5 us cold).
-            grad = param.grad if type(param) is _Parameter else None
-            if type(grad) is torch.Tensor and grad.is_cpu and grad.layout is torch.strided:
-                dtype, numel = grad.dtype, grad.numel()
-                if numel and dtype in _FLOAT_DTYPES:
-                    if cpu is None:
-                        cpu = buckets[_CPU] = {}  # type: ignore[assignment]
-                    batch = cpu.get(dtype)
-                    if batch is None:
-                        batch = cpu[dtype] = Batch(dtype)
-                    batch.add_dense(grad, numel)
-                    continue
-            values = grad_values(param)  # the general case; validates (TypeError/ValueError)
-            if values is None:
-                continue
-            device = values.device
-            if device.type == "cpu":
+    for param in unique_params(optimizer, skip):
+        # This runs once per parameter per step, right after the backward pass has streamed
+        # through the caches: the common case, a plain parameter with a dense CPU gradient,
+        # reads as few tensor attributes as it can (each costs ~0.5 us cold).
+        grad = param.grad if type(param) is _Parameter else None
+        if type(grad) is torch.Tensor and grad.is_cpu and grad.layout is torch.strided:
+            dtype, numel = grad.dtype, grad.numel()
+            if numel and dtype in _FLOAT_DTYPES:
                 if cpu is None:
                     cpu = buckets[_CPU] = {}  # type: ignore[assignment]
-                batch = cpu.get(values.dtype)
+                batch = cpu.get(dtype)
                 if batch is None:
-                    batch = cpu[values.dtype] = Batch(values.dtype)
-                batch.add(values, values.numel())
+                    batch = cpu[dtype] = Batch(dtype)
+                batch.add_dense(grad, numel)
                 continue
-            per_dtype = buckets.get(device)
-            if per_dtype is None:
-                per_dtype = buckets[device] = {}
-            same = per_dtype.get(values.dtype)
-            if same is None:
-                per_dtype[values.dtype] = [values]
-            else:
-                same.append(values)  # type: ignore[union-attr]
+        values = grad_values(param)  # the general case; validates (TypeError/ValueError)
+        if values is None:
+            continue
+        device = values.device
+        if device.type == "cpu":
+            if cpu is None:
+                cpu = buckets[_CPU] = {}  # type: ignore[assignment]
+            batch = cpu.get(values.dtype)
+            if batch is None:
+                batch = cpu[values.dtype] = Batch(values.dtype)
+            batch.add(values, values.numel())
+            continue
+        per_dtype = buckets.get(device)
+        if per_dtype is None:
+            per_dtype = buckets[device] = {}
+        same = per_dtype.get(values.dtype)
+        if same is None:
+            per_dtype[values.dtype] = [values]
+        else:
+            same.append(values)  # type: ignore[union-attr]
     return buckets
 
 
