@@ -975,3 +975,15 @@ def test_process_groups_are_resolved_again_only_when_they_change(monkeypatch) ->
     scaler._groups()
     assert len(calls) == 5
     assert copy.copy(scaler)._groups_cache is None
+
+
+def test_a_parameter_in_two_param_groups_is_unscaled_once() -> None:
+    """torch refuses it at construction, but param_groups can be edited after: still once."""
+    w, b = nn.Parameter(torch.ones(10)), nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([{"params": [w, b]}, {"params": []}], lr=0.1)
+    opt.param_groups[1]["params"].append(w)
+    scaler = ShardedGradScaler("cpu", init_scale=8.0)
+    scaler.scale(torch.ones(()))
+    w.grad, b.grad = torch.full((10,), 8.0), torch.full((3,), 16.0)
+    scaler.unscale_(opt)
+    assert torch.equal(w.grad, torch.ones(10)) and torch.equal(b.grad, torch.full((3,), 2.0))

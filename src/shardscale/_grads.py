@@ -148,14 +148,15 @@ def bucket_grads(optimizer: torch.optim.Optimizer, skip: Container[int] = ()) ->
     """
     buckets: Buckets = {}
     cpu: dict[torch.dtype, Batch] | None = None
+    parameter, tensor, strided, floats = _Parameter, torch.Tensor, torch.strided, _FLOAT_DTYPES
     for param in unique_params(optimizer, skip):
         # This runs once per parameter per step, right after the backward pass has streamed
         # through the caches: the common case, a plain parameter with a dense CPU gradient,
         # reads as few tensor attributes as it can (each costs ~0.5 us cold).
-        grad = param.grad if type(param) is _Parameter else None
-        if type(grad) is torch.Tensor and grad.is_cpu and grad.layout is torch.strided:
+        grad = param.grad if type(param) is parameter else None
+        if type(grad) is tensor and grad.is_cpu and grad.layout is strided:
             dtype, numel = grad.dtype, grad.numel()
-            if numel and dtype in _FLOAT_DTYPES:
+            if numel and dtype in floats:
                 if cpu is None:
                     cpu = buckets[_CPU] = {}  # type: ignore[assignment]
                 batch = cpu.get(dtype)
