@@ -722,3 +722,29 @@ def test_a_gradient_listed_twice_is_detected_by_the_kernel_and_multiplied_twice(
         [g2, other2, g2], torch.zeros(()), torch.tensor(0.25)
     )
     assert torch.equal(g, g2) and torch.equal(other, other2)
+
+
+def test_addresses_are_read_after_user_grad_getters_ran(kernel) -> None:
+    """A ``.grad`` getter of a parameter subclass runs user code during bucketing; if it replaces
+    the storage of a gradient gathered before, the kernel must see the new storage (reading the
+    old, freed one would leave the live gradient scaled and write freed memory)."""
+    n = 1 << 16
+    p1 = torch.nn.Parameter(torch.zeros(n))
+    p1.grad = torch.full((n,), 1024.0)
+
+    class Sneaky(torch.nn.Parameter):
+        @property
+        def grad(self):  # type: ignore[override]
+            p1.grad.set_(torch.full((n,), 1024.0))  # storage replaced, the old one freed
+            return torch.nn.Parameter.grad.__get__(self)
+
+        @grad.setter
+        def grad(self, value):  # type: ignore[override]
+            torch.nn.Parameter.grad.__set__(self, value)
+
+    p2 = Sneaky(torch.zeros(4))
+    p2.grad = torch.ones(4)
+    scaler = ShardedGradScaler("cpu", init_scale=1024.0)
+    scaler.scale(torch.ones(()))
+    scaler.unscale_(torch.optim.SGD([p1, p2], lr=0.1))
+    assert torch.equal(p1.grad, torch.ones(n))

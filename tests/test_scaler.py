@@ -4,6 +4,7 @@ and the scale floor."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import math
@@ -987,3 +988,36 @@ def test_a_parameter_in_two_param_groups_is_unscaled_once() -> None:
     w.grad, b.grad = torch.full((10,), 8.0), torch.full((3,), 16.0)
     scaler.unscale_(opt)
     assert torch.equal(w.grad, torch.ones(10)) and torch.equal(b.grad, torch.full((3,), 2.0))
+
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_a_default_device_does_not_move_the_scalers_cpu_tensors(clip) -> None:
+    """Tensors the scaler makes for a CPU step (found-inf flags, skipped flags, norms, counters)
+    are made on the CPU explicitly: under ``torch.device("meta")`` (or
+    ``torch.set_default_device``) the iteration gives the same results as without it."""
+
+    def run(context: bool) -> list[torch.Tensor]:
+        model = make_mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = ShardedGradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+        out = []
+        for i in range(5):
+            scaler.scale(loss_at(model, i, {2: float("inf")})).backward()
+            with torch.device("meta") if context else contextlib.nullcontext():
+                if clip:
+                    out.append(scaler.clip_grad_norm_(opt, 0.5))
+                else:
+                    scaler.unscale_(opt)
+                scaler.step(opt)
+                scaler.update()
+                out.append(scaler.last_step_skipped())
+            opt.zero_grad()
+        return (
+            out
+            + [p.detach().clone() for p in model.parameters()]
+            + [torch.tensor(scaler.get_scale())]
+        )
+
+    for ours, plain in zip(run(True), run(False), strict=True):
+        assert ours.device.type == "cpu"
+        torch.testing.assert_close(ours, plain, rtol=0, atol=0, equal_nan=True)  # the inf step: NaN

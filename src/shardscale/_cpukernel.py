@@ -392,7 +392,10 @@ class Batch:
     elements: for many small tensors torch's one foreach call is cheaper than our Python per
     tensor); their addresses in ``ptrs`` and element counts in ``lens``. ``rest``: everything
     else, in the order added (all of it when the kernel is not loaded or has no path for
-    ``dtype``).
+    ``dtype``), then any moved there by :meth:`drop_overlaps`.
+
+    The addresses are read when a tensor is added: a tensor whose storage is replaced before
+    the kernel runs (``.set_()``, ``.data =``) must be added again (:meth:`regathered`).
     """
 
     __slots__ = ("dtype", "ptrs", "lens", "taken", "rest", "_esize", "_small_left", "_on", "_fns")
@@ -404,7 +407,7 @@ class Batch:
         self.lens = array("q")
         self.taken: list[torch.Tensor] = []
         self.rest: list[torch.Tensor] = []
-        self._esize = 4 if dtype == torch.float32 else 2
+        self._esize = dtype.itemsize
         self._small_left = _SMALL_CAP if writes else -1  # -1: no limit
         self._on = fns is not None and _CODES.get(dtype) in codes
         self._fns = fns
@@ -444,6 +447,13 @@ class Batch:
                 self.taken.append(t)
                 return
         self.add(t, numel)  # channels-last, or not aligned: the general checks decide
+
+    def regathered(self) -> Batch:
+        """A new batch of the same tensors, their addresses read again."""
+        batch = Batch(self.dtype, writes=self._small_left != -1)
+        for t in self.tensors:
+            batch.add(t, t.numel())
+        return batch
 
     @property
     def tensors(self) -> list[torch.Tensor]:
@@ -488,7 +498,8 @@ def _overlapping(ptrs: array, lens: array, esize: int) -> set[int]:
 
 def unscale_batch_(batch: Batch, found_inf: torch.Tensor, factor: torch.Tensor) -> None:
     """Multiply ``batch``'s tensors by ``factor`` in place and set ``found_inf`` to 1.0 if one
-    holds inf or NaN: the compiled kernel over ``taken`` (one call), torch's
+    holds inf or NaN: the compiled kernel over ``taken`` (one call; a second after it refused
+    overlapping memory), torch's
     ``_amp_foreach_non_finite_check_and_unscale_`` over the rest. Arguments as
     :func:`foreach_unscale_`; tensors' version counters are left alone, as torch's kernel does."""
     _, rest = _unscale(batch, found_inf, factor)
@@ -548,7 +559,7 @@ def foreach_mul_(grads: list[torch.Tensor], factor: torch.Tensor) -> None:
     if not grads:
         return
     batch = _flat(grads, grads[0].dtype, writes=True)
-    taken, rest = _unscale(batch, torch.zeros((), dtype=torch.float32), factor)
+    taken, rest = _unscale(batch, torch.zeros((), dtype=torch.float32, device="cpu"), factor)
     if taken:
         try:
             torch.autograd.graph.increment_version(taken)
@@ -586,7 +597,7 @@ def foreach_norm(grads: list[torch.Tensor], p: float) -> torch.Tensor | None:
     if batch.rest:
         return None
     k = len(batch.taken)
-    out = torch.empty(k, dtype=torch.float64)
+    out = torch.empty(k, dtype=torch.float64, device="cpu")
     rc = fns.norms(
         batch.ptrs.buffer_info()[0],
         batch.lens.buffer_info()[0],

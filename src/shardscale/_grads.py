@@ -110,11 +110,12 @@ def plain_grad(param: object) -> torch.Tensor | None:
 
 
 def unique_params(optimizer: torch.optim.Optimizer, skip: Container[int] = ()) -> list[Any]:
-    """``optimizer``'s parameters in order, each once (torch only warns about a parameter listed
-    twice, e.g. a tied weight in two param groups), without those whose ``id`` is in ``skip``.
+    """``optimizer``'s parameters in order, each once, without those whose ``id`` is in ``skip``.
 
-    The duplicate test is one ``set`` of ids built in C: no Python per parameter in the common
-    case (no duplicates, nothing skipped).
+    torch only warns about a parameter listed twice in one param group (e.g. a tied weight), and
+    param groups can be edited after construction. The duplicate test is one ``set`` of ids built
+    in C: no Python per parameter in the common case (no duplicates, nothing skipped), where the
+    optimizer's own list is returned: read it, do not change it.
     """
     groups = optimizer.param_groups
     if len(groups) == 1:
@@ -137,17 +138,20 @@ def bucket_grads(optimizer: torch.optim.Optimizer, skip: Container[int] = ()) ->
 
     Returns:
         ``{device: {dtype: tensors}}`` of dense tensors (local DTensor shards, values of sparse
-        gradients), in the optimizer's parameter order: a list per accelerator bucket, a
-        :class:`~shardscale._cpukernel.Batch` per CPU bucket (filled in this same pass: the
-        compiled kernel's pointer arrays cost no second loop over the gradients). Parameters
-        without ``.grad`` and empty shards are left out, so a rank that holds no shard gets
-        ``{}``.
+        gradients): a list per accelerator bucket, in the optimizer's parameter order; a
+        :class:`~shardscale._cpukernel.Batch` per CPU bucket, filled in this same pass (the
+        compiled kernel's pointer arrays cost no second loop over the gradients), or again at
+        the end when a parameter took the general path (a ``.grad`` getter of a parameter or
+        gradient subclass could have run user code after earlier addresses were read).
+        Parameters without ``.grad`` and empty shards are left out, so a rank that holds no
+        shard gets ``{}``.
 
     Raises:
         TypeError: a parameter is not a tensor, or a gradient is not floating point.
     """
     buckets: Buckets = {}
     cpu: dict[torch.dtype, Batch] | None = None
+    general = False  # a parameter took grad_values()
     parameter, tensor, strided, floats = _Parameter, torch.Tensor, torch.strided, _FLOAT_DTYPES
     for param in unique_params(optimizer, skip):
         # This runs once per parameter per step, right after the backward pass has streamed
@@ -164,6 +168,7 @@ def bucket_grads(optimizer: torch.optim.Optimizer, skip: Container[int] = ()) ->
                     batch = cpu[dtype] = Batch(dtype)
                 batch.add_dense(grad, numel)
                 continue
+        general = True
         values = grad_values(param)  # the general case; validates (TypeError/ValueError)
         if values is None:
             continue
@@ -184,6 +189,9 @@ def bucket_grads(optimizer: torch.optim.Optimizer, skip: Container[int] = ()) ->
             per_dtype[values.dtype] = [values]
         else:
             same.append(values)  # type: ignore[union-attr]
+    if general and cpu:  # read the addresses after every getter ran
+        for dtype, batch in cpu.items():
+            cpu[dtype] = batch.regathered()
     return buckets
 
 
@@ -202,11 +210,13 @@ def zero_flag(device: torch.device) -> torch.Tensor:
     """
     if device.type != "cpu":
         return torch.zeros((), dtype=torch.float32, device=device)
-    try:
-        return _CPU_FLAGS.pop()
-    except IndexError:
-        _CPU_FLAGS.extend(torch.zeros(_FLAGS_PER_BUFFER, dtype=torch.float32).unbind())
-        return _CPU_FLAGS.pop()
+    while True:  # another thread may take the new ones first
+        try:
+            return _CPU_FLAGS.pop()
+        except IndexError:  # views share the buffer's version counter; nothing writes them in place
+            _CPU_FLAGS.extend(
+                torch.zeros(_FLAGS_PER_BUFFER, dtype=torch.float32, device=_CPU).unbind()
+            )
 
 
 def unscale_and_check(

@@ -122,7 +122,9 @@ def _cpu_norms(
     def scratch() -> torch.Tensor:
         nonlocal buf
         if buf is None:
-            buf = torch.empty(min(_CPU_CHUNK, max(g.numel() for g in grads)), dtype=acc)
+            buf = torch.empty(
+                min(_CPU_CHUNK, max(g.numel() for g in grads)), dtype=acc, device="cpu"
+            )
         return buf
 
     if dtype == torch.float16:
@@ -208,6 +210,12 @@ def _f32(x: float) -> float:
     return ctypes.c_float(x).value
 
 
+def _cpu_f32(x: float | list[float]) -> torch.Tensor:
+    """``x`` as a float32 CPU tensor (explicitly on the CPU: not on ``torch.set_default_device``'s
+    device)."""
+    return torch.tensor(x, dtype=torch.float32, device="cpu")
+
+
 def _max(a: float, b: float) -> float:
     """max() that propagates NaN, as ``torch.maximum``."""
     return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
@@ -236,17 +244,17 @@ def _global_norm_cpu(
     packed = [sharded_part, replicated_part, nonfinite]
     if group is not None:
         op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
-        reduced = _sync.all_reduce(torch.tensor(packed, dtype=torch.float32), [group], op)
+        reduced = _sync.all_reduce(_cpu_f32(packed), [group], op)
         packed = reduced.tolist()
     if is_inf:
         total = _max(packed[0], packed[1])
     else:
         # the root as a float32 tensor op, as the device path: torch's CPU float32 sqrt is not
         # always correctly rounded, so math.sqrt could differ by an ulp
-        root = torch.tensor(_f32(packed[0] + packed[1]), dtype=torch.float32)
+        root = _cpu_f32(_f32(packed[0] + packed[1]))
         total = (root.sqrt() if p == 2.0 else root.pow(1.0 / p)).item()
     flagged = packed[2] > 0
     if flagged and math.isfinite(total):
         total = math.inf  # see _global_norm_device
     found = 1.0 if flagged or not math.isfinite(total) else 0.0
-    return torch.tensor(total, dtype=torch.float32), torch.tensor(found, dtype=torch.float32)
+    return _cpu_f32(total), _cpu_f32(found)

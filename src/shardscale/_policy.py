@@ -264,5 +264,5 @@ def step_in_place(state: ScaleState, found_inf: torch.Tensor, config: ScalerConf
         state.scale.fill_(new_py.scale)
     state.growth_tracker.fill_(new_py.growth_tracker)
     state.hysteresis_tracker.fill_(new_py.hysteresis_tracker)
-    state.counters.copy_(torch.tensor(new_py.counters, dtype=torch.int64))
-    return torch.tensor(collapsed_py)
+    state.counters.copy_(torch.tensor(new_py.counters, dtype=torch.int64, device="cpu"))
+    return torch.tensor(collapsed_py, device="cpu")

@@ -460,7 +460,7 @@ class ShardedGradScaler:
             overflow = bool(st.found_inf.item())  # the one host sync of a non-fused step
             if not overflow:
                 retval = optimizer.step(*args, **kwargs)
-            skipped = torch.tensor(overflow)
+            skipped = torch.tensor(overflow, device="cpu")
         st.stage = OptState.STEPPED
         self._skipped[id(optimizer)] = skipped
         return retval
@@ -626,7 +626,9 @@ class ShardedGradScaler:
             RuntimeError: no step has been taken yet (for this optimizer).
         """
         if not self._enabled:
-            return torch.tensor(False)  # a disabled scaler never skips: the loop stays the same
+            return torch.tensor(
+                False, device="cpu"
+            )  # a disabled scaler never skips: the loop stays the same
         if optimizer is not None:
             flag = self._skipped.get(id(optimizer))
             if flag is None:
@@ -658,7 +660,11 @@ class ShardedGradScaler:
             ]
         else:
             s = self._state
-            last = self._last.found_inf if self._last is not None else torch.zeros(())
+            last = (
+                self._last.found_inf
+                if self._last is not None
+                else torch.zeros((), device=s.scale.device)
+            )
             packed = torch.cat(
                 [
                     s.scale.double().reshape(1),
