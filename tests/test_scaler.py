@@ -1021,3 +1021,20 @@ def test_a_default_device_does_not_move_the_scalers_cpu_tensors(clip) -> None:
     for ours, plain in zip(run(True), run(False), strict=True):
         assert ours.device.type == "cpu"
         torch.testing.assert_close(ours, plain, rtol=0, atol=0, equal_nan=True)  # the inf step: NaN
+
+
+def test_bucketing_groups_alternating_dtypes_and_devices_correctly() -> None:
+    from shardscale import _grads
+
+    dtypes = [torch.float32, torch.bfloat16, torch.float32, torch.float16, torch.bfloat16] * 3
+    params = [nn.Parameter(torch.zeros(10_000 + i, dtype=d)) for i, d in enumerate(dtypes)]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    buckets = _grads.bucket_grads(torch.optim.SGD(params, lr=0.1))
+    assert list(buckets) == [torch.device("cpu")]
+    batches = buckets[torch.device("cpu")]
+    assert set(batches) == set(dtypes)
+    for dtype, batch in batches.items():
+        want = [p.grad for p in params if p.dtype == dtype]
+        assert sorted(map(id, batch.tensors)) == sorted(map(id, want))
+        assert all(t.dtype == dtype for t in batch.tensors)

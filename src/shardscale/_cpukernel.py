@@ -401,7 +401,7 @@ class Batch:
     __slots__ = ("dtype", "ptrs", "lens", "taken", "rest", "_esize", "_small_left", "_on", "_fns")
 
     def __init__(self, dtype: torch.dtype, writes: bool = True) -> None:
-        _, fns, codes = _load()
+        _, fns, codes = _loaded if _loaded is not None else _load()
         self.dtype = dtype
         self.ptrs = array("q")
         self.lens = array("q")

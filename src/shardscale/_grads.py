@@ -153,6 +153,7 @@ def bucket_grads(optimizer: torch.optim.Optimizer, skip: Container[int] = ()) ->
     cpu: dict[torch.dtype, Batch] | None = None
     general = False  # a parameter took grad_values()
     parameter, tensor, strided, floats = _Parameter, torch.Tensor, torch.strided, _FLOAT_DTYPES
+    last_dtype, last_batch = None, None  # most gradients have the dtype of the one before
     for param in unique_params(optimizer, skip):
         # This runs once per parameter per step, right after the backward pass has streamed
         # through the caches: the common case, a plain parameter with a dense CPU gradient,
@@ -160,6 +161,9 @@ def bucket_grads(optimizer: torch.optim.Optimizer, skip: Container[int] = ()) ->
         grad = param.grad if type(param) is parameter else None
         if type(grad) is tensor and grad.is_cpu and grad.layout is strided:
             dtype, numel = grad.dtype, grad.numel()
+            if dtype is last_dtype and numel:
+                last_batch.add_dense(grad, numel)  # type: ignore[union-attr]
+                continue
             if numel and dtype in floats:
                 if cpu is None:
                     cpu = buckets[_CPU] = {}  # type: ignore[assignment]
@@ -167,6 +171,7 @@ def bucket_grads(optimizer: torch.optim.Optimizer, skip: Container[int] = ()) ->
                 if batch is None:
                     batch = cpu[dtype] = Batch(dtype)
                 batch.add_dense(grad, numel)
+                last_dtype, last_batch = dtype, batch
                 continue
         general = True
         values = grad_values(param)  # the general case; validates (TypeError/ValueError)
