@@ -702,7 +702,8 @@ def test_a_refused_batch_goes_to_torchs_kernel(kernel, monkeypatch) -> None:
         calls.append(args)
         return -1
 
-    monkeypatch.setattr(_cpukernel, "_loaded", (status, _cpukernel._Fns(refuse, fns.norms), codes))
+    fake = _cpukernel._Fns(refuse, fns.norms, refuse)
+    monkeypatch.setattr(_cpukernel, "_loaded", (status, fake, codes))
     grads = [torch.randn(50_000) * 8, torch.randn(100)]
     grads[0][3] = float("inf")
     _assert_same(grads, 0.5)

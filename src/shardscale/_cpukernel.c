@@ -243,6 +243,15 @@ int shardscale_unscale(char **ptrs, const int64_t *lens, int64_t k, int dtype,
   return 0;
 }
 
+/* shardscale_unscale with its arguments in one int64 array, in order (ptrs, lens, k, dtype,
+ * inv_scale, found_inf, num_threads): one argument for the foreign-function call instead of
+ * seven (each costs the caller's ctypes ~1 us right after a backward pass). */
+int shardscale_unscale_packed(const int64_t *a) {
+  return shardscale_unscale((char **)(intptr_t)a[0], (const int64_t *)(intptr_t)a[1], a[2],
+                            (int)a[3], (const float *)(intptr_t)a[4], (float *)(intptr_t)a[5],
+                            (int)a[6]);
+}
+
 /* ------------------------------------------------------------------------------------ norms */
 
 /* Elements per block: a bf16/fp16 block is widened to float32 in L1, then accumulated, so each

@@ -106,6 +106,8 @@ _SIGNATURES = {
     # ptrs, lens, k, dtype, inv_scale*, found_inf*, threads -> 0, or 1 (overlap) / -1 (no
     # memory) with nothing written
     "shardscale_unscale": ([_PTR, _PTR, _I64, _INT, _PTR, _PTR, _INT], _INT),
+    # the same, its arguments packed in one int64 array (one ctypes conversion, not seven)
+    "shardscale_unscale_packed": ([_PTR], _INT),
     # ptrs, lens, k, dtype, p code, out*, threads -> 0 or -1
     "shardscale_norms": ([_PTR, _PTR, _I64, _INT, _INT, _PTR, _INT], _INT),
 }
@@ -115,6 +117,7 @@ _SIGNATURES = {
 class _Fns:
     unscale: Any
     norms: Any
+    unscale_packed: Any = None
 
 
 _lock = threading.Lock()
@@ -326,7 +329,7 @@ def _load() -> tuple[KernelStatus, _Fns | None, frozenset[int]]:
             getattr(lib, name).argtypes, getattr(lib, name).restype = args, result
         codes = frozenset(c for c in _CODES.values() if lib.shardscale_supports(c))
         dtypes = tuple(d for d, c in _CODES.items() if c in codes)
-        fns = _Fns(lib.shardscale_unscale, lib.shardscale_norms)
+        fns = _Fns(lib.shardscale_unscale, lib.shardscale_norms, lib.shardscale_unscale_packed)
         _loaded = (KernelStatus(True, str(path), dtypes), fns, codes)
         return _loaded
 
@@ -518,16 +521,19 @@ def _unscale(
     flag, inv = _scalar_ptr(found_inf), _scalar_ptr(factor)
     if _forced_torch or not (flag and inv):
         return [], batch.tensors
-    unscale = batch._fns.unscale  # type: ignore[union-attr]  # loaded, as taken is not empty
-    args = (_CODES[batch.dtype], inv, flag, torch.get_num_threads())
-    rc = unscale(batch.ptrs.buffer_info()[0], batch.lens.buffer_info()[0], len(batch.taken), *args)
-    if rc:  # nothing written: memory shared by two tensors (the C code checks; -1: no memory)
-        batch.drop_overlaps()
-        if rc < 0 or unscale(
-            batch.ptrs.buffer_info()[0], batch.lens.buffer_info()[0], len(batch.taken), *args
-        ):
-            return [], batch.tensors
-    return batch.taken, batch.rest
+    unscale = batch._fns.unscale_packed  # type: ignore[union-attr]  # loaded: taken is not empty
+    tail = (_CODES[batch.dtype], inv, flag, torch.get_num_threads())
+    for attempt in range(2):
+        # shardscale_unscale's seven arguments in one int64 array: one ctypes conversion
+        args = array("q", (batch.ptrs.buffer_info()[0], batch.lens.buffer_info()[0]))
+        args.extend((len(batch.taken), *tail))
+        rc = unscale(args.buffer_info()[0])
+        if rc == 0:
+            return batch.taken, batch.rest
+        if rc < 0 or attempt:  # out of memory, or refused again: nothing written either way
+            break
+        batch.drop_overlaps()  # refused, nothing written: memory shared by two tensors
+    return [], batch.tensors
 
 
 def foreach_unscale_(
