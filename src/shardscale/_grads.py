@@ -248,8 +248,8 @@ def unscale_and_check(
         flag = zero_flag(device)
         if inv_scale is None:
             inv = torch.ones((), dtype=torch.float32, device=device)
-        elif inv_scale.device == device:
-            inv = inv_scale
+        elif inv_scale.is_cpu if device is _CPU else inv_scale.device == device:
+            inv = inv_scale  # (is_cpu: no device object to build and compare)
         else:
             inv = to_device(inv_scale, device)
         if device.type == "cpu":  # the compiled kernel; torch's (under no_grad) for the rest

@@ -67,9 +67,7 @@ def validate_process_group(process_group: object) -> None:
 def default_group() -> dist.ProcessGroup | None:
     """The default process group (``dist.group.WORLD``), or None when ``torch.distributed`` is
     not initialized."""
-    if _DISTRIBUTED and dist.is_initialized():
-        return dist.group.WORLD
-    return None
+    return dist.group.WORLD if _DISTRIBUTED else None  # None until init_process_group
 
 
 def resolve_groups(process_group: ProcessGroupLike) -> list[dist.ProcessGroup]:
