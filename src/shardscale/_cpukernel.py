@@ -364,14 +364,12 @@ def torch_kernel() -> Iterator[None]:
         _forced_torch = before
 
 
-def _dense(t: torch.Tensor) -> bool:
-    """Whether ``t``'s elements fill ``numel`` consecutive slots from ``data_ptr()`` (contiguous or
-    channels-last: an elementwise kernel or a norm may then treat it as one flat array)."""
-    return t.is_contiguous() or (
-        t.dim() in (4, 5)
-        and t.is_contiguous(
-            memory_format=torch.channels_last if t.dim() == 4 else torch.channels_last_3d
-        )
+def _channels_last(t: torch.Tensor) -> bool:
+    """Whether ``t`` is channels-last (2d or 3d): its elements then fill ``numel`` consecutive
+    slots from ``data_ptr()``, as a contiguous tensor's do, so an elementwise kernel or a norm
+    may treat it as one flat array."""
+    return t.dim() in (4, 5) and t.is_contiguous(
+        memory_format=torch.channels_last if t.dim() == 4 else torch.channels_last_3d
     )
 
 
@@ -418,13 +416,24 @@ class Batch:
     def add(self, t: torch.Tensor, numel: int) -> None:
         """Add ``t`` (``numel``: its ``numel()``, which the caller has read already)."""
         if (
-            self._on
-            and numel
+            numel
             and type(t) is torch.Tensor
             and t.dtype is self.dtype
             and t.is_cpu
+            and t.layout is torch.strided
+        ):
+            self.add_dense(t, numel)
+        else:
+            self.rest.append(t)
+
+    def add_dense(self, t: torch.Tensor, numel: int) -> None:
+        """:meth:`add` for a tensor the caller has checked is a plain (``type(t) is
+        torch.Tensor``), strided CPU tensor of ``dtype`` with ``numel > 0`` elements (bucketing
+        calls it directly): it reads only what is left to check (layout in memory, address)."""
+        if (
+            self._on
             and (numel >= _SMALL or self._small_left)
-            and _dense(t)
+            and (t.is_contiguous() or _channels_last(t))
         ):
             ptr = t.data_ptr()
             if ptr and not ptr % self._esize:
@@ -435,21 +444,6 @@ class Batch:
                 self.taken.append(t)
                 return
         self.rest.append(t)
-
-    def add_dense(self, t: torch.Tensor, numel: int) -> None:
-        """:meth:`add` for a tensor the caller has checked is a plain (``type(t) is
-        torch.Tensor``), strided CPU tensor of ``dtype`` with ``numel > 0`` elements: it reads
-        only what is left to check (layout in memory, address)."""
-        if self._on and (numel >= _SMALL or self._small_left) and t.is_contiguous():
-            ptr = t.data_ptr()
-            if ptr and not ptr % self._esize:
-                if numel < _SMALL and self._small_left > 0:
-                    self._small_left -= 1
-                self.ptrs.append(ptr)
-                self.lens.append(numel)
-                self.taken.append(t)
-                return
-        self.add(t, numel)  # channels-last, or not aligned: the general checks decide
 
     def regathered(self) -> Batch:
         """A new batch of the same tensors, their addresses read again."""
