@@ -381,6 +381,11 @@ def check_scaler_options(cfg: TrainConfig) -> None:
             shown = str(value)
         # shardscale train has no --min-scale/--max-scale: only the value can change
         reason = reason.replace("; change the value or the bounds.", ".")
+        if name == "init_scale" and "lies outside" in reason:  # the bounds are the defaults
+            reason = (
+                "must lie in [2**-126, 2**127], where the scale and its inverse are finite "
+                "float32 numbers."
+            )
         raise ConfigError(f"{_SCALER_OPTIONS[name]} {shown}: {reason}") from None
 
 
