@@ -133,8 +133,9 @@ def bucket_grads(optimizer: torch.optim.Optimizer, skip: Container[int] = ()) ->
     """Group the local gradient tensors of ``optimizer`` by device and dtype.
 
     Parameters whose ``id`` is in ``skip`` (already unscaled this iteration by
-    ``clip_grad_norm_(params)``) are left out, and a parameter listed twice (a tied weight in
-    two param groups: torch only warns) is taken once, so it is unscaled once.
+    ``clip_grad_norm_(params)``) are left out, and a parameter listed twice (a tied weight
+    listed twice in a param group, which torch only warns about) is taken once, so it is
+    unscaled once (:func:`unique_params`).
 
     Returns:
         ``{device: {dtype: tensors}}`` of dense tensors (local DTensor shards, values of sparse

@@ -626,9 +626,8 @@ class ShardedGradScaler:
             RuntimeError: no step has been taken yet (for this optimizer).
         """
         if not self._enabled:
-            return torch.tensor(
-                False, device="cpu"
-            )  # a disabled scaler never skips: the loop stays the same
+            # a disabled scaler never skips: the loop stays the same
+            return torch.tensor(False, device="cpu")
         if optimizer is not None:
             flag = self._skipped.get(id(optimizer))
             if flag is None:
