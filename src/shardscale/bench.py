@@ -446,9 +446,8 @@ def _bench_case(cfg: Config, gs: GradSet, dtype: str, pg: Any) -> list[Row]:
                     1, Contender("shardscale, torch's kernel", unscale_torch_kernel, alt.close)
                 )
             elif not kernel.available:
-                cont[
-                    0
-                ].note += f" ({kernel.reason.strip().splitlines()[-1][:70]})"  # the error line
+                error_line = kernel.reason.strip().splitlines()[-1][:70]
+                cont[0].note += f" ({error_line})"
         if cfg.reference and device.type == "cpu" and gs.numel <= _REFERENCE_MAX:
             flag = torch.zeros((), device=device)
             cont.append(
