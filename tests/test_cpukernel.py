@@ -749,3 +749,45 @@ def test_addresses_are_read_after_user_grad_getters_ran(kernel) -> None:
     scaler.scale(torch.ones(()))
     scaler.unscale_(torch.optim.SGD([p1, p2], lr=0.1))
     assert torch.equal(p1.grad, torch.ones(n))
+
+
+@pytest.fixture(params=["avx512", "avx2/compiler"])
+def loops(request, kernel) -> Iterator[str]:
+    """Each of the kernel's float16/bfloat16 write loops where this CPU has it: the AVX-512
+    intrinsics, and the AVX2 / compiler-vectorised ones (the only ones on CPUs without AVX-512;
+    turned on here by switching the AVX-512 ones off)."""
+    avx512 = _cpukernel._load()[1].avx512
+    if request.param == "avx512" and not avx512(1):
+        pytest.skip("this CPU has no AVX-512F/BW")
+    avx512(1 if request.param == "avx512" else 0)
+    assert avx512(-1) == (request.param == "avx512")
+    try:
+        yield request.param
+    finally:
+        avx512(1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_every_16_bit_pattern_matches_torch(loops, dtype, threads) -> None:
+    """All 65,536 encodings (inf and NaN among them) at several factors, at an even and an odd
+    element offset and with a tail that is not a whole vector: torch's bits on every non-NaN
+    result, NaN where torch has NaN, the same found_inf."""
+    if dtype not in _cpukernel.status().dtypes:
+        pytest.skip(f"no compiled {dtype} path on this CPU")
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    finite = every[torch.isfinite(every.float())]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for inv in FACTORS + [2.0**-24, 65504.0, 2.0**100]:
+            _assert_same([every.clone(), every[1:].clone()[:-7]], inv)
+            _assert_same([finite.clone(), finite[1:].clone()], inv)  # found_inf stays 0
+            for bad in (float("inf"), float("-inf"), float("nan")):  # found alone
+                one = finite.clone()
+                one[12_345] = bad
+                _assert_same([one], inv)
+            base = every.clone()
+            _assert_same([base[1:40_001]], inv)  # odd address: unaligned vector loads
+    finally:
+        torch.set_num_threads(before)

@@ -1038,3 +1038,75 @@ def test_bucketing_groups_alternating_dtypes_and_devices_correctly() -> None:
         want = [p.grad for p in params if p.dtype == dtype]
         assert sorted(map(id, batch.tensors)) == sorted(map(id, want))
         assert all(t.dtype == dtype for t in batch.tensors)
+
+
+def test_bulk_bucketing_takes_only_what_the_per_parameter_path_would_take_whole(
+    monkeypatch,
+) -> None:
+    """bucket_grads reads the common case (plain parameters, plain dense CPU gradients of one
+    dtype, all for the compiled kernel) in bulk: its batch is the per-parameter path's, and any
+    other mix goes parameter by parameter."""
+    from shardscale import _cpukernel, _grads
+
+    if not _cpukernel.status().available:
+        pytest.skip("compiled CPU kernel unavailable")
+
+    def params_with(grads: list[torch.Tensor | None]) -> list[nn.Parameter]:
+        params = []
+        for g in grads:
+            p = nn.Parameter(
+                torch.zeros(3) if g is None else torch.zeros_like(g, layout=torch.strided)
+            )
+            p.grad = g
+            params.append(p)
+        return params
+
+    def per_parameter(params: list[nn.Parameter]) -> _grads.Buckets:
+        with monkeypatch.context() as m:
+            m.setattr(_grads, "_dense_cpu_batch", lambda params: None)
+            return _grads.bucket_grads(torch.optim.SGD(params, lr=0.1))
+
+    common = params_with([torch.randn(s) for s in (1000, 5, 20_000, 1, 9000)])
+    bulk = _grads._dense_cpu_batch(common)
+    ids = [id(p.grad) for p in common]
+    assert bulk is not None and [id(t) for t in bulk.taken] == ids and not bulk.rest
+    ref = per_parameter(common)[torch.device("cpu")][torch.float32]
+    assert (bulk.ptrs, bulk.lens, [id(t) for t in ref.taken]) == (ref.ptrs, ref.lens, ids)
+    with pytest.warns(UserWarning, match="duplicate parameters"):
+        opt = torch.optim.SGD(common + common[:2], lr=0.1)
+    got = _grads.bucket_grads(opt)[torch.device("cpu")][torch.float32]  # repeats: taken once
+    assert [id(t) for t in got.taken] == ids
+
+    buf = torch.zeros(4 * 1001, dtype=torch.uint8)
+    misaligned = torch.frombuffer(buf.numpy(), dtype=torch.float32, count=1000, offset=2)
+
+    class Sub(torch.Tensor):
+        pass
+
+    declined = {
+        "no grad": [torch.randn(10), None],
+        "not contiguous": [torch.randn(10), torch.randn(30, 40).t()],
+        "empty": [torch.randn(10), torch.randn(10)[10:]],  # (its data_ptr() is not 0)
+        "not on the CPU": [torch.randn(10), torch.randn(10, device="meta")],
+        "two dtypes": [torch.randn(10), torch.randn(10).to(torch.bfloat16)],
+        "float64": [torch.randn(10, dtype=torch.float64)],
+        "misaligned": [torch.randn(10), misaligned],
+        "sparse": [torch.randn(10), torch.randn(4, 3).to_sparse()],
+        "tensor subclass": [torch.randn(10), torch.randn(10).as_subclass(Sub)],
+        "too many small": [torch.randn(3) for _ in range(_cpukernel._SMALL_CAP + 1)],
+    }
+    for why, grads in declined.items():
+        params = params_with(grads)
+        assert _grads._dense_cpu_batch(params) is None, why
+
+    class MyParam(nn.Parameter):
+        pass
+
+    sub = [MyParam(torch.zeros(10)), nn.Parameter(torch.zeros(10))]
+    for p in sub:
+        p.grad = torch.ones(10)
+    assert _grads._dense_cpu_batch(sub) is None
+    monkeypatch.setattr(
+        _cpukernel, "_loaded", (_cpukernel.KernelStatus(False, "off"), None, frozenset())
+    )
+    assert _grads._dense_cpu_batch(params_with([torch.randn(10)])) is None  # no kernel loaded

@@ -112,6 +112,45 @@ SS_CLONES static int bf16_run(uint16_t *restrict x, int64_t n, float inv, int wr
 static int f16_check(const uint16_t *restrict x, int64_t n) { return check_16(x, n, 0x7bff); }
 
 #if SS_F16C
+/* bf16_run's write path with AVX-512 intrinsics, 32 elements at a time and the same arithmetic,
+ * in fewer instructions than the compiler's vectorisation of it (~5.5 G elements/s per core
+ * there, ~8 here): each 32-bit lane holds two bfloat16s, the even one widened by a shift, the
+ * odd one by a mask; both are multiplied and rounded where they sit and recombined by a blend.
+ * A NaN stays a NaN without the select bf16_run makes: its product keeps the input's payload
+ * (x86 returns the NaN operand, quieted), whose low 16 bits are zero, so the rounding adds no
+ * carry into the result's half; only the payload may differ from torch's (as torch's own
+ * vectorised and scalar paths differ). The tail goes to bf16_run. */
+/* float32 bits rounded to nearest even at bit 16, as c10::BFloat16 (the result: the high half). */
+__attribute__((target("avx512f"))) static inline __m512i round_bf16_512(__m512i r) {
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(r, 16), _mm512_set1_epi32(1));
+  return _mm512_add_epi32(r, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+}
+
+__attribute__((target("avx512f,avx512bw"))) static int bf16_run_512(uint16_t *restrict x,
+                                                                     int64_t n, float inv) {
+  const __m512 f = _mm512_set1_ps(inv);
+  const __m512i mag = _mm512_set1_epi16(0x7fff), max_finite = _mm512_set1_epi16(0x7f7f);
+  const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+  __mmask32 bad = 0;
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m512i w = _mm512_loadu_si512((const void *)(x + i));
+    bad |= _mm512_cmpgt_epi16_mask(_mm512_and_si512(w, mag), max_finite);
+    const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+    const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(w, high));
+    __m512i e = _mm512_castps_si512(_mm512_mul_ps(even, f));
+    __m512i o = _mm512_castps_si512(_mm512_mul_ps(odd, f));
+    e = round_bf16_512(e);
+    o = round_bf16_512(o);
+    /* even results move to the low halves; odd 16-bit lanes (mask 0xaaaaaaaa) come from o */
+    _mm512_storeu_si512((void *)(x + i),
+                        _mm512_mask_blend_epi16(0xaaaaaaaau, _mm512_srli_epi32(e, 16), o));
+  }
+  return bf16_run(x + i, n - i, inv, 1) | (bad != 0);
+}
+#endif
+
+#if SS_F16C
 /* float16 <-> float32 through the F16C instructions (round to nearest even), 8 lanes at a time. */
 __attribute__((target("avx2,f16c"))) static int f16_run(uint16_t *restrict x, int64_t n,
                                                          float inv, int write) {
@@ -130,6 +169,23 @@ __attribute__((target("avx2,f16c"))) static int f16_run(uint16_t *restrict x, in
   for (; i < n; i++) x[i] = _cvtss_sh(_cvtsh_ss(x[i]) * inv, _MM_FROUND_TO_NEAREST_INT);
   return tail | !_mm_testz_si128(bad, bad);
 }
+
+/* The same with AVX-512F, 16 lanes at a time (F16C's conversions are the compute bound of the
+ * loop above: ~8 G elements/s per core against ~16 here); the tail goes to f16_run. */
+__attribute__((target("avx512f,avx2,f16c"))) static int f16_run_512(uint16_t *restrict x,
+                                                                     int64_t n, float inv) {
+  const __m512 f = _mm512_set1_ps(inv);
+  const __m256i mag = _mm256_set1_epi16(0x7fff), max_finite = _mm256_set1_epi16(0x7bff);
+  __m256i bad = _mm256_setzero_si256();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m256i h = _mm256_loadu_si256((const __m256i *)(x + i));
+    bad = _mm256_or_si256(bad, _mm256_cmpgt_epi16(_mm256_and_si256(h, mag), max_finite));
+    __m512 v = _mm512_mul_ps(_mm512_cvtph_ps(h), f);
+    _mm256_storeu_si256((__m256i *)(x + i), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+  }
+  return f16_run(x + i, n - i, inv, 1) | !_mm256_testz_si256(bad, bad);
+}
 #elif SS_ARM_FP16
 static int f16_run(uint16_t *restrict x, int64_t n, float inv, int write) {
   int bad = f16_check(x, n);
@@ -141,8 +197,31 @@ static int f16_run(uint16_t *restrict x, int64_t n, float inv, int write) {
 }
 #endif
 
+/* 1 while float16/bfloat16 writes take the AVX-512 loops (the CPU has AVX-512F and BW), 0 while
+ * they take the others; -1 until first asked. */
+static int use_avx512 = -1;
+
+/* Turn the AVX-512 loops off (0) or back on where the CPU has them (1), or only ask (-1); returns
+ * whether they are in use. Tests turn them off to exercise the AVX2 and compiler-vectorised
+ * loops on an AVX-512 machine; not for use while a kernel call runs. */
+int shardscale_avx512(int request) {
+#if SS_F16C
+  if (request == 0) {
+    use_avx512 = 0;
+  } else if (request == 1 || use_avx512 < 0) {
+    __builtin_cpu_init();
+    use_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  }
+#else
+  (void)request;
+  use_avx512 = 0;
+#endif
+  return use_avx512;
+}
+
 /* 1 if the dtype has a compiled path on this CPU, else 0 (the caller then uses torch's kernel). */
 int shardscale_supports(int dtype) {
+  if (use_avx512 < 0) shardscale_avx512(-1);
   if (dtype == SS_F32 || dtype == SS_BF16) return 1;
 #if SS_F16C
   if (dtype == SS_F16) {
@@ -157,8 +236,16 @@ int shardscale_supports(int dtype) {
 
 static int run(int dtype, char *p, int64_t n, float inv, int write) {
   if (dtype == SS_F32) return f32_run((float *)p, n, inv, write);
-  if (dtype == SS_BF16) return bf16_run((uint16_t *)p, n, inv, write);
-#if SS_F16C || SS_ARM_FP16
+  if (dtype == SS_BF16) {
+#if SS_F16C
+    if (write && use_avx512 > 0) return bf16_run_512((uint16_t *)p, n, inv);
+#endif
+    return bf16_run((uint16_t *)p, n, inv, write);
+  }
+#if SS_F16C
+  if (write && use_avx512 > 0) return f16_run_512((uint16_t *)p, n, inv);
+  return f16_run((uint16_t *)p, n, inv, write);
+#elif SS_ARM_FP16
   return f16_run((uint16_t *)p, n, inv, write);
 #else
   return 0; /* unreachable: shardscale_supports(SS_F16) is 0 */
