@@ -13,8 +13,9 @@ OpenMP (1-3 s, once), and cached in ``$SHARDSCALE_CACHE_DIR`` (default
 ``$XDG_CACHE_HOME/shardscale`` or ``~/.cache/shardscale``; else ``<tmp>/shardscale-<uid>``)
 under a hash of the source, the compiler's version and the platform. A directory or library
 that another user owns or could write (or, in the temp dir, a symlink) is never used. x86-64
-builds carry AVX-512, AVX2 and baseline clones picked at load time, so a cache shared between
-machines is safe. On Linux the library binds to the OpenMP runtime torch already loaded
+builds carry AVX-512, AVX2 and baseline clones picked at load time (and, for float16/bfloat16
+writes, hand-written AVX-512 loops used where the CPU has AVX-512F/BW: the compiler's loops are
+compute-bound there), so a cache shared between machines is safe. On Linux the library binds to the OpenMP runtime torch already loaded
 (``libgomp.so.1``), so both share one thread pool (a torch built with another OpenMP runtime
 would get a second pool: ``SHARDSCALE_CPU_KERNEL=0`` avoids it).
 
