@@ -114,7 +114,7 @@ static int f16_check(const uint16_t *restrict x, int64_t n) { return check_16(x,
 #if SS_F16C
 /* bf16_run's write path with AVX-512 intrinsics, 32 elements at a time and the same arithmetic,
  * in fewer instructions than the compiler's vectorisation of it (~5.5 G elements/s per core
- * there, ~8 here): each 32-bit lane holds two bfloat16s, the even one widened by a shift, the
+ * there, ~9.5 here, measured in L2): each 32-bit lane holds two bfloat16s, the even one widened by a shift, the
  * odd one by a mask; both are multiplied and rounded where they sit and recombined by a blend.
  * A NaN stays a NaN without the select bf16_run makes: its product keeps the input's payload
  * (x86 returns the NaN operand, quieted), whose low 16 bits are zero, so the rounding adds no
@@ -170,8 +170,9 @@ __attribute__((target("avx2,f16c"))) static int f16_run(uint16_t *restrict x, in
   return tail | !_mm_testz_si128(bad, bad);
 }
 
-/* The same with AVX-512F, 16 lanes at a time (F16C's conversions are the compute bound of the
- * loop above: ~8 G elements/s per core against ~16 here); the tail goes to f16_run. */
+/* The same with AVX-512F, 16 lanes at a time (the conversions bound the loop above to ~8 G
+ * elements/s per core; ~10.5 here, measured in L2); the tail goes to f16_run. The same shape as
+ * f16_run at twice the width, as SIMD code of two widths is. */
 __attribute__((target("avx512f,avx2,f16c"))) static int f16_run_512(uint16_t *restrict x,
                                                                      int64_t n, float inv) {
   const __m512 f = _mm512_set1_ps(inv);
