@@ -791,3 +791,23 @@ def test_every_16_bit_pattern_matches_torch(loops, dtype, threads) -> None:
             _assert_same([base[1:40_001]], inv)  # odd address: unaligned vector loads
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_nan_factor_gives_nan_whatever_its_payload(loops, dtype) -> None:
+    """A NaN multiplier (a clip coefficient from a NaN norm, or a caller's) makes every element
+    NaN, as torch's kernels do, whatever the NaN's payload bits (found by the session-5 review:
+    the bf16 AVX-512 loop's integer rounding carried 0x7fffffff's payload into the sign, writing
+    -0.0)."""
+    if dtype not in _cpukernel.status().dtypes:
+        pytest.skip(f"no compiled {dtype} path on this CPU")
+    for bits in (0x7FFFFFFF, 0xFFFF8001 - 2**32, 0x7FC00000, 0x7FC08001, 0xFFC00000 - 2**32):
+        factor = torch.tensor(bits, dtype=torch.int32).view(torch.float32)
+        grads = [torch.randn(1000).to(dtype), torch.ones(77, dtype=dtype)]
+        found = torch.zeros(())
+        _cpukernel.foreach_unscale_(grads, found, factor)
+        assert all(bool(g.float().isnan().all()) for g in grads), hex(bits)
+        assert found.item() == 0.0  # the gradients themselves were finite
+        muls = [torch.ones(1000, dtype=dtype)]
+        _cpukernel.foreach_mul_(muls, factor)
+        assert bool(muls[0].float().isnan().all()), hex(bits)

@@ -116,10 +116,12 @@ static int f16_check(const uint16_t *restrict x, int64_t n) { return check_16(x,
  * in fewer instructions than the compiler's vectorisation of it (~5.5 G elements/s per core
  * there, ~9.5 here, measured in L2): each 32-bit lane holds two bfloat16s, the even one widened by a shift, the
  * odd one by a mask; both are multiplied and rounded where they sit and recombined by a blend.
- * A NaN stays a NaN without the select bf16_run makes: its product keeps the input's payload
- * (x86 returns the NaN operand, quieted), whose low 16 bits are zero, so the rounding adds no
- * carry into the result's half; only the payload may differ from torch's (as torch's own
- * vectorised and scalar paths differ). The tail goes to bf16_run. */
+ * A NaN element stays a NaN without the select bf16_run makes: its product keeps the element's
+ * payload (x86 returns the NaN operand, quieted), whose low 16 bits are zero, so the rounding
+ * carries nothing into the result's half; only the payload may differ from torch's (as torch's
+ * own vectorised and scalar paths differ). A NaN factor's payload may have low bits set (the
+ * rounding would then carry into the sign: 0x7fffffff becomes -0.0): run() sends NaN factors
+ * to bf16_run. The tail goes to bf16_run too. */
 /* float32 bits rounded to nearest even at bit 16, as c10::BFloat16 (the result: the high half). */
 __attribute__((target("avx512f"))) static inline __m512i round_bf16_512(__m512i r) {
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(r, 16), _mm512_set1_epi32(1));
@@ -239,7 +241,7 @@ static int run(int dtype, char *p, int64_t n, float inv, int write) {
   if (dtype == SS_F32) return f32_run((float *)p, n, inv, write);
   if (dtype == SS_BF16) {
 #if SS_F16C
-    if (write && use_avx512 > 0) return bf16_run_512((uint16_t *)p, n, inv);
+    if (write && use_avx512 > 0 && inv == inv) return bf16_run_512((uint16_t *)p, n, inv);
 #endif
     return bf16_run((uint16_t *)p, n, inv, write);
   }
