@@ -205,8 +205,8 @@ static int f16_run(uint16_t *restrict x, int64_t n, float inv, int write) {
 static int use_avx512 = -1;
 
 /* Turn the AVX-512 loops off (0) or back on where the CPU has them (1), or only ask (-1); returns
- * whether they are in use. Tests turn them off to exercise the AVX2 and compiler-vectorised
- * loops on an AVX-512 machine; not for use while a kernel call runs. */
+ * whether they are in use. Tests turn them off to exercise the other loops (f16_run's AVX2,
+ * bf16_run's compiler-vectorised clone) on an AVX-512 machine; not while a kernel call runs. */
 int shardscale_avx512(int request) {
 #if SS_F16C
   if (request == 0) {

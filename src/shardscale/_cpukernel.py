@@ -15,9 +15,10 @@ under a hash of the source, the compiler's version and the platform. A directory
 that another user owns or could write (or, in the temp dir, a symlink) is never used. x86-64
 builds carry AVX-512, AVX2 and baseline clones picked at load time (and, for float16/bfloat16
 writes, hand-written AVX-512 loops used where the CPU has AVX-512F/BW: the compiler's loops are
-compute-bound there), so a cache shared between machines is safe. On Linux the library binds to the OpenMP runtime torch already loaded
-(``libgomp.so.1``), so both share one thread pool (a torch built with another OpenMP runtime
-would get a second pool: ``SHARDSCALE_CPU_KERNEL=0`` avoids it).
+compute-bound there), so a cache shared between machines is safe. On Linux the library binds to
+the OpenMP runtime torch already loaded (``libgomp.so.1``), so both share one thread pool (a
+torch built with another OpenMP runtime would get a second pool: ``SHARDSCALE_CPU_KERNEL=0``
+avoids it).
 
 Threads: ``torch.get_num_threads()``, in one parallel region per call, entered only where
 torch's per-tensor kernels would enter one too (a tensor of more than 32768 elements): GNU OpenMP
@@ -453,29 +454,6 @@ class Batch:
                 self.taken.append(t)
                 return
         self.rest.append(t)
-
-    @classmethod
-    def of_dense(cls, grads: list[torch.Tensor], dtype: torch.dtype) -> Batch | None:
-        """A batch taking all of ``grads`` at once, or None.
-
-        For plain strided CPU tensors of ``dtype`` (the caller has checked that much) that the
-        kernel takes whole: ``dtype`` has a compiled path, every tensor is non-empty, contiguous
-        and aligned to its element size, and at most ``_SMALL_CAP`` have under ``_SMALL``
-        elements. Each attribute is read for all tensors in one pass of ``map``, not one Python
-        call per tensor (:meth:`add_dense`): ~1 us less per gradient right after a backward
-        pass. None when any tensor is otherwise; the caller then adds them one by one."""
-        batch = cls(dtype)
-        if not batch._on or not all(map(torch.Tensor.is_contiguous, grads)):
-            return None
-        lens = array("q", map(torch.Tensor.numel, grads))
-        if not min(lens) or sum(n < _SMALL for n in lens) > _SMALL_CAP:
-            return None
-        ptrs = array("q", map(torch.Tensor.data_ptr, grads))
-        esize = batch._esize
-        if any(ptr % esize for ptr in ptrs) or not all(ptrs):
-            return None
-        batch.ptrs, batch.lens, batch.taken = ptrs, lens, list(grads)
-        return batch
 
     def regathered(self) -> Batch:
         """A new batch of the same tensors, their addresses read again."""

@@ -6,7 +6,6 @@ Everything here is local to one rank: no collective, no host synchronisation.
 from __future__ import annotations
 
 from collections.abc import Container, Iterator
-from operator import attrgetter
 from typing import Any
 
 import torch
@@ -151,16 +150,12 @@ def bucket_grads(optimizer: torch.optim.Optimizer, skip: Container[int] = ()) ->
     Raises:
         TypeError: a parameter is not a tensor, or a gradient is not floating point.
     """
-    params = unique_params(optimizer, skip)
-    bulk = _dense_cpu_batch(params)
-    if bulk is not None:
-        return {_CPU: {bulk.dtype: bulk}}
     buckets: Buckets = {}
     cpu: dict[torch.dtype, Batch] | None = None
     general = False  # a parameter took grad_values()
     parameter, tensor, strided, floats = _Parameter, torch.Tensor, torch.strided, _FLOAT_DTYPES
     last_dtype, last_batch = None, None  # most gradients have the dtype of the one before
-    for param in params:
+    for param in unique_params(optimizer, skip):
         # This runs once per parameter per step, right after the backward pass has streamed
         # through the caches: the common case, a plain parameter with a dense CPU gradient,
         # reads as few tensor attributes as it can (each costs ~0.5 us cold).
@@ -204,35 +199,6 @@ def bucket_grads(optimizer: torch.optim.Optimizer, skip: Container[int] = ()) ->
         for dtype, batch in cpu.items():
             cpu[dtype] = batch.regathered()
     return buckets
-
-
-_GRAD = attrgetter("grad")
-_DTYPE = attrgetter("dtype")
-_IS_CPU = attrgetter("is_cpu")
-_LAYOUT = attrgetter("layout")
-
-
-def _dense_cpu_batch(params: list[Any]) -> Batch | None:
-    """:func:`bucket_grads`' common case read in bulk: every parameter a plain ``nn.Parameter``
-    whose ``.grad`` is a plain strided CPU tensor, all of one floating dtype, all taken by the
-    compiled kernel (:meth:`Batch.of_dense`). Each attribute is read for all parameters in one
-    pass of ``map`` (a plain ``Parameter`` has no ``.grad`` getter of user code to run in
-    between). Returns their batch, or None for any other mix: the caller then goes parameter by
-    parameter."""
-    if set(map(type, params)) != {_Parameter}:
-        return None
-    grads = list(map(_GRAD, params))
-    if set(map(type, grads)) != {torch.Tensor}:
-        return None
-    dtypes = set(map(_DTYPE, grads))
-    if (
-        len(dtypes) != 1
-        or not dtypes <= _FLOAT_DTYPES
-        or not all(map(_IS_CPU, grads))
-        or set(map(_LAYOUT, grads)) != {torch.strided}
-    ):
-        return None
-    return Batch.of_dense(grads, dtypes.pop())
 
 
 #: CPU found-inf flags handed out by :func:`zero_flag`: 0-d views of one zeroed buffer.
