@@ -112,22 +112,23 @@ SS_CLONES static int bf16_run(uint16_t *restrict x, int64_t n, float inv, int wr
 static int f16_check(const uint16_t *restrict x, int64_t n) { return check_16(x, n, 0x7bff); }
 
 #if SS_F16C
-/* bf16_run's write path with AVX-512 intrinsics, 32 elements at a time and the same arithmetic,
- * in fewer instructions than the compiler's vectorisation of it (~5.5 G elements/s per core
- * there, ~9.5 here, measured in L2): each 32-bit lane holds two bfloat16s, the even one widened by a shift, the
- * odd one by a mask; both are multiplied and rounded where they sit and recombined by a blend.
- * A NaN element stays a NaN without the select bf16_run makes: its product keeps the element's
- * payload (x86 returns the NaN operand, quieted), whose low 16 bits are zero, so the rounding
- * carries nothing into the result's half; only the payload may differ from torch's (as torch's
- * own vectorised and scalar paths differ). A NaN factor's payload may have low bits set (the
- * rounding would then carry into the sign: 0x7fffffff becomes -0.0): run() sends NaN factors
- * to bf16_run. The tail goes to bf16_run too. */
 /* float32 bits rounded to nearest even at bit 16, as c10::BFloat16 (the result: the high half). */
 __attribute__((target("avx512f"))) static inline __m512i round_bf16_512(__m512i r) {
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(r, 16), _mm512_set1_epi32(1));
   return _mm512_add_epi32(r, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
 }
 
+/* bf16_run's write path with AVX-512 intrinsics, 32 elements at a time and the same arithmetic,
+ * in fewer instructions than the compiler's vectorisation of it (~5.5 G elements/s per core
+ * there, ~9.5 here, measured in L2): each 32-bit lane holds two bfloat16s, the even one widened
+ * by a shift, the odd one by a mask; both are multiplied and rounded where they sit and
+ * recombined by a blend.
+ * A NaN element stays a NaN without the select bf16_run makes: its product keeps the element's
+ * payload (x86 returns the NaN operand, quieted), whose low 16 bits are zero, so the rounding
+ * carries nothing into the result's half; only the payload may differ from torch's (as torch's
+ * own vectorised and scalar paths differ). A NaN factor's payload may have low bits set (the
+ * rounding would then carry into the sign: 0x7fffffff becomes -0.0): run() sends NaN factors
+ * to bf16_run. The tail goes to bf16_run too. */
 __attribute__((target("avx512f,avx512bw"))) static int bf16_run_512(uint16_t *restrict x,
                                                                      int64_t n, float inv) {
   const __m512 f = _mm512_set1_ps(inv);
