@@ -566,3 +566,58 @@ def test_nonfinite_loss_is_an_overflow_not_an_error(bad, fused):
     scaler.update()
     assert not bool(scaler.last_step_skipped(opt))
     assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), params, strict=True))
+
+
+@pytest.mark.parametrize("kernel", ["auto", "0"], ids=["compiled", "torch_kernel"])
+@pytest.mark.parametrize("bad_first", [False, True], ids=["bad_last", "bad_first"])
+@pytest.mark.parametrize("call", ["unscale_", "step", "clip_optimizer", "clip_params"])
+def test_a_gradient_sharing_memory_is_refused_before_anything_is_written(
+    monkeypatch, kernel, bad_first, call
+) -> None:
+    """An expanded (stride-0) gradient cannot be multiplied in place. torch's kernels refuse it
+    when they reach it, after writing the gradients before it; a retry then divided those twice
+    (found by the session-5 trial). shardscale refuses it before writing anything, naming the
+    parameter; after the fix the message names, the iteration completes as if nothing happened."""
+    from shardscale import _cpukernel
+
+    monkeypatch.setenv(_cpukernel.ENV, kernel)
+    _cpukernel.reset()
+    try:
+        good = torch.nn.Parameter(torch.zeros(3))
+        bad = torch.nn.Parameter(torch.zeros(4, 4))
+        opt = torch.optim.SGD([bad, good] if bad_first else [good, bad], lr=1.0)
+        named = call != "step"  # step: no names given, the position names it
+        scaler = ShardedGradScaler(
+            "cpu", init_scale=4.0, param_names={"good": good, "bad": bad} if named else None
+        )
+        scaler.scale(torch.tensor(1.0))
+        good.grad = torch.full((3,), 4.0)
+        bad.grad = torch.tensor([4.0]).expand(4, 4)
+
+        def run() -> None:
+            if call == "unscale_":
+                scaler.unscale_(opt)
+            elif call == "step":
+                scaler.step(opt)
+            elif call == "clip_optimizer":
+                scaler.clip_grad_norm_(opt, 1e9)
+            else:
+                scaler.clip_grad_norm_([good, bad], 1e9)
+
+        before = scaler.state_dict()
+        who = "bad" if named else f"parameter {0 if bad_first else 1} of the optimizer"
+        with pytest.raises(ValueError, match=rf"the gradient of {who}.*share memory.*clone\(\)"):
+            run()
+        assert torch.equal(good.grad, torch.full((3,), 4.0))  # nothing was unscaled
+        assert scaler.state_dict() == before and not scaler._per_optimizer
+        assert not scaler._pre_unscaled
+
+        bad.grad = torch.full((4, 4), 4.0)  # the fix the message names
+        run()
+        if call != "step":
+            scaler.step(opt)
+        scaler.update()
+        assert torch.equal(good.detach(), torch.full((3,), -1.0))
+        assert torch.equal(bad.detach(), torch.full((4, 4), -1.0))
+    finally:
+        _cpukernel.reset()

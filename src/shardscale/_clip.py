@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from . import _cpukernel, _sync
-from ._grads import grad_values, iter_params, plain_grad
+from ._grads import grad_values, iter_params, plain_grad, require_writable
 from ._norm import Buckets as _Buckets
 from ._norm import global_norm as _global_norm
 
@@ -106,8 +106,9 @@ def clip_grad_norm_(
     Raises:
         TypeError: neither an optimizer nor tensors, a non-floating-point gradient, or a bad
             ``max_norm`` / ``norm_type`` type.
-        ValueError: ``max_norm`` < 0 or NaN, ``norm_type`` <= 0, or a DTensor gradient with a
-            ``Partial`` placement (not yet reduced).
+        ValueError: ``max_norm`` < 0 or NaN, ``norm_type`` <= 0, a DTensor gradient with a
+            ``Partial`` placement (not yet reduced), or a gradient whose elements share memory
+            (an expanded view; named, before anything is written).
         RuntimeError: called before ``scale()``, after ``unscale_``/``clip_grad_norm_`` or
             ``step`` for this optimizer in the same iteration (the order is
             ``scale -> backward -> clip_grad_norm_ -> step -> update``).
@@ -369,6 +370,7 @@ def _bucket(
             # rank_local: every gradient is summed over the group by design (pipeline stages,
             # each maybe FSDP-sharded on a sub-mesh), so a sub-mesh is no ambiguity there
             sharded = _is_sharded(param, param.grad, None if rank_local else group, seen)
+        require_writable(values, param)  # clipping multiplies it in place
         key = (values.device, values.dtype, sharded or rank_local)
         buckets.setdefault(key, []).append(values)
     return buckets

@@ -5,7 +5,7 @@ Everything here is local to one rank: no collective, no host synchronisation.
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterator
+from collections.abc import Container, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -48,6 +48,67 @@ _Parameter = torch.nn.Parameter
 _FLOAT_DTYPES = frozenset(
     d for d in vars(torch).values() if isinstance(d, torch.dtype) and d.is_floating_point
 )
+
+
+class SharedMemoryGradError(ValueError):
+    """A gradient whose elements share memory (an expanded or stride-0 view, e.g.
+    ``torch.ones(1).expand(4, 4)``) cannot be unscaled or clipped in place: each shared location
+    would be multiplied several times (torch's in-place kernels refuse such a tensor, but only
+    when they reach it, after the gradients before it were written). Raised before anything is
+    written.
+
+    Attributes:
+        grad: the gradient tensor (a local shard or sparse values where the gradient is one).
+        param: the parameter it belongs to, where known (else None).
+    """
+
+    def __init__(self, grad: torch.Tensor, param: object = None, name: str | None = None):
+        self.grad, self.param = grad, param
+        who = f"the gradient of {name}" if name else "a gradient"
+        super().__init__(
+            f"{who} (shape {tuple(grad.shape)}, strides {tuple(grad.stride())}) has elements "
+            "that share memory (an expanded or stride-0 view) and cannot be unscaled or clipped "
+            "in place; nothing was unscaled. Give the parameter a gradient of its own first, "
+            "e.g. p.grad = p.grad.clone()."
+        )
+
+    def naming(
+        self, names: Mapping[int, str], optimizer: torch.optim.Optimizer | None = None
+    ) -> SharedMemoryGradError:
+        """This error again, naming the parameter: by its name in ``names`` (``{id(param):
+        name}``), else by its position in ``optimizer`` (found by its gradient when ``param``
+        is not known), else by its shape."""
+        param, position = self.param, None
+        if optimizer is not None:
+            for i, candidate in enumerate(iter_params(optimizer)):
+                grad = getattr(candidate, "grad", None)
+                if candidate is param or (
+                    param is None
+                    and grad is not None
+                    and (grad is self.grad or local_tensor(grad) is self.grad)
+                ):
+                    param, position = candidate, i
+                    break
+        if param is None:
+            return self
+        name = names.get(id(param))
+        if name is None:
+            shape = tuple(param.shape) if isinstance(param, torch.Tensor) else "?"
+            where = f" {position} of the optimizer" if position is not None else ""
+            name = f"parameter{where} (shape {shape})"
+        return SharedMemoryGradError(self.grad, param, name)
+
+
+def require_writable(grad: torch.Tensor, param: object = None) -> None:
+    """Raise :class:`SharedMemoryGradError` (naming ``param``'s gradient) if elements of
+    ``grad`` share memory. Contiguous (and channels-last) tensors never do and cost one
+    ``is_contiguous()``; tensor subclasses are left to their own kernels."""
+    if (
+        type(grad) is torch.Tensor
+        and not grad.is_contiguous()
+        and torch._debug_has_internal_overlap(grad) == 1  # 0: none, 2: too hard to tell
+    ):
+        raise SharedMemoryGradError(grad, param)
 
 
 def grad_values(param: object, coalesce_all: bool = False) -> torch.Tensor | None:
@@ -243,7 +304,15 @@ def unscale_and_check(
     Returns:
         ``{device: found_inf}``, each a 0-d float32 tensor on that device, 1.0 if any gradient on
         the device held inf or NaN, else 0.0. No host synchronisation.
+
+    Raises:
+        SharedMemoryGradError: a gradient's elements share memory; nothing was written.
     """
+    for per_dtype in buckets.values():  # first, so that a refused gradient leaves all unwritten
+        for bucket in per_dtype.values():
+            # a CPU batch's taken tensors are dense (no shared memory): only its rest can share
+            for grad in bucket.rest if isinstance(bucket, Batch) else bucket:
+                require_writable(grad)
     flags: dict[torch.device, torch.Tensor] = {}
     for device, per_dtype in buckets.items():
         flag = zero_flag(device)

@@ -23,7 +23,7 @@ from ._config import (
     check_growth_interval,
     check_scale,
 )
-from ._grads import bucket_grads, iter_params, unscale_and_check
+from ._grads import SharedMemoryGradError, bucket_grads, iter_params, unscale_and_check
 from ._policy import COUNTER_NAMES, ScaleState, count_step, step_in_place
 from ._report import (
     OverflowReport,
@@ -313,6 +313,8 @@ class ShardedGradScaler:
             RuntimeError: called before :meth:`scale`, twice for this optimizer in one iteration,
                 or after :meth:`step`.
             TypeError: ``optimizer`` is not an optimizer.
+            ValueError: a gradient's elements share memory (an expanded view: give the parameter
+                a gradient of its own); raised, naming the parameter, before anything is written.
         """
         if not self._enabled:
             return
@@ -374,7 +376,10 @@ class ShardedGradScaler:
         try:
             home = self._state.scale.device
             pre = self._pre_unscaled
-            flags = unscale_and_check(bucket_grads(optimizer, skip=pre), inv_scale)
+            try:
+                flags = unscale_and_check(bucket_grads(optimizer, skip=pre), inv_scale)
+            except SharedMemoryGradError as e:
+                raise e.naming(self._names.current(), optimizer) from None
             local = _combine_flags(flags, home)
             if pre:  # gradients a clip_grad_norm_(params) already unscaled: their agreed flags
                 for flag in (pre[id(p)] for p in iter_params(optimizer) if id(p) in pre):
@@ -416,6 +421,8 @@ class ShardedGradScaler:
         Raises:
             RuntimeError: called before :meth:`scale`, twice for this optimizer in one
                 iteration, or with a ``closure`` (not supported, as in torch).
+            ValueError: as :meth:`unscale_` (a gradient sharing memory), before anything is
+                written or stepped.
         """
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
@@ -607,7 +614,13 @@ class ShardedGradScaler:
         """
         from ._clip import clip_grad_norm_
 
-        return clip_grad_norm_(self, optimizer_or_params, max_norm, norm_type)
+        try:
+            return clip_grad_norm_(self, optimizer_or_params, max_norm, norm_type)
+        except SharedMemoryGradError as e:  # raised before any write, with its parameter
+            optimizer = (
+                optimizer_or_params if hasattr(optimizer_or_params, "param_groups") else None
+            )
+            raise e.naming(self._names.current(), optimizer) from None
 
     # ------------------------------------------------------------- reporting
     def last_step_skipped(self, optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor:
