@@ -189,6 +189,7 @@ for cid, kw, exc, match in [
     ("process_group_list_of_int", {"process_group": [1]}, TypeError, "process_group sequence"),
     ("param_names_list", {"param_names": [T(1.0)]}, TypeError, "param names must come"),
     ("rank_local_params_int", {"rank_local_params": 1}, TypeError, "rank_local_params must be"),
+    ("report_overflows_str", {"report_overflows": "no"}, TypeError, "report_overflows must be"),
     ("param_names_bad_values", {"param_names": {"w": 5}}, TypeError, "param names must map"),
 ]:
     case(f"ctor-{cid}", "fresh", ctor(**kw), exc, match)

@@ -287,6 +287,14 @@ def test_collapse_after_max_consecutive_skips():
     assert "loss scale 4096" in str(info.value)
     assert "<param 2 of optimizer 0> on rank 0 (0 inf, 1 NaN)" in str(info.value)  # unnamed: index
     assert scaler.metrics()["consecutive_skips"] == 3
+    # the scale is still high: the message does not rule it out (it did, found by the trial),
+    # it names the fixes for a scale still backing off; at min_scale it does rule it out
+    msg = str(info.value)
+    assert "The scale was still 4096" in msg and "lower init_scale" in msg
+    assert "max_consecutive_skips" in msg and "does not come from the scale" not in msg
+    low = ShardedGradScaler("cpu", init_scale=4.0, min_scale=1.0, max_consecutive_skips=10)
+    with pytest.raises(ScaleCollapseError, match="does not come from the scale"):
+        run_scaler(low, [1] * 5, bad=NAN)
 
 
 def test_collapse_warn_mode_warns_every_time_and_continues():

@@ -246,17 +246,26 @@ def collapse_error(
     ranks where every rank detects the collapse at once); the message names them with their
     ranks, says why the guard fired, and what to look for.
     """
+    look = (
+        "look for a NaN loss or input, a bad learning rate, an fp16 overflow in the forward "
+        "pass (compute that op in fp32 or use bf16), or a log/div of zero."
+    )
     if config.max_consecutive_skips is not None and scale > round_f32(config.min_scale):
         why = f"{config.max_consecutive_skips}+ consecutive skipped steps"
+        # the scale may still be too high: e.g. a large init_scale backing off step by step
+        cause = (
+            f"The scale was still {scale:g} (fp16's largest value is 65504): if it has been "
+            "backing off from a high init_scale, the scaled loss or gradients may overflow "
+            "until it is low enough (lower init_scale or raise max_consecutive_skips); else "
+        )
     else:
         why = f"the loss scale sits at min_scale={config.min_scale:g} and gradients still overflow"
+        cause = "The NaN/inf does not come from the scale: "
     where = ", ".join(
         f"{e.name} on rank {e.rank} ({e.n_inf} inf, {e.n_nan} NaN)" for e in entries
     ) or ("none found (gradients already zeroed, or on a rank not scanned)")
     msg = (
         f"loss scale collapsed at step {step} (rank {rank}, loss scale {scale:g}): {why}. "
-        f"Non-finite gradients: {where}. The NaN/inf does not come from the "
-        "scale: look for a NaN loss or input, a bad learning rate, an fp16 overflow in the "
-        "forward pass (compute that op in fp32 or use bf16), or a log/div of zero."
+        f"Non-finite gradients: {where}. {cause}{look}"
     )
     return ScaleCollapseError(msg, step, scale, OverflowReport(step, scale, tuple(entries)))

@@ -208,11 +208,13 @@ class ShardedGradScaler:
         )
         if not isinstance(rank_local_params, bool):
             raise TypeError(f"rank_local_params must be a bool, got {rank_local_params!r}.")
+        if not isinstance(report_overflows, bool):
+            raise TypeError(f"report_overflows must be a bool, got {report_overflows!r}.")
         self._names = _report_names(param_names)
         self.rank_local_params = rank_local_params
         self._enabled = enabled
         self.process_group = process_group
-        self._report_overflows = bool(report_overflows)
+        self._report_overflows = report_overflows
         self._init_growth_tracker = 0
         self._init_hysteresis_tracker = hysteresis
         self._init_counters: tuple[int, ...] = (0,) * len(COUNTER_NAMES)
@@ -233,7 +235,8 @@ class ShardedGradScaler:
     def guard(
         cls, process_group: _sync.ProcessGroupLike = None, **kwargs: Any
     ) -> ShardedGradScaler:
-        """A scaler for bf16/fp32 training: scale fixed at 1.0, non-finite steps still skipped.
+        """A scaler for bf16/fp32 training: scale fixed (at 1.0, or ``init_scale`` if given),
+        non-finite steps still skipped.
 
         Every rank skips the same steps (one all-reduce per ``unscale_``) and the reporting
         (:meth:`metrics`, :meth:`overflow_report`) works as in fp16 mode. ``kwargs`` are passed to
