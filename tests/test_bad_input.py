@@ -622,3 +622,64 @@ def test_a_gradient_sharing_memory_is_refused_before_anything_is_written(
         assert torch.equal(bad.detach(), torch.full((4, 4), -1.0))
     finally:
         _cpukernel.reset()
+
+
+def test_overlapping_views_are_refused_and_strided_views_are_not() -> None:
+    """An ``as_strided`` view over itself (no stride 0: torch's check says "too hard to tell"
+    and torch's kernels multiply it silently, shared elements several times) is refused, named
+    also for sparse values; slices, transposes and permutations are unscaled as torch does. The
+    error survives copy and pickle (DataLoader workers, process pools)."""
+    import copy
+    import pickle
+
+    from shardscale._grads import SharedMemoryGradError
+
+    good = torch.nn.Parameter(torch.zeros(3))
+    bad = torch.nn.Parameter(torch.zeros(3, 3))
+    opt = torch.optim.SGD([good, bad], lr=1.0)
+    scaler = ShardedGradScaler("cpu", init_scale=4.0, param_names={"good": good, "bad": bad})
+    scaler.scale(torch.tensor(1.0))
+    good.grad = torch.full((3,), 4.0)
+    bad.grad = torch.full((6,), 4.0).as_strided((3, 3), (1, 1))
+    with pytest.raises(SharedMemoryGradError, match="the gradient of bad .*overlapping") as info:
+        scaler.unscale_(opt)
+    assert torch.equal(good.grad, torch.full((3,), 4.0)) and not scaler._per_optimizer
+    err = info.value
+    for again in (copy.copy(err), pickle.loads(pickle.dumps(err))):
+        assert str(again) == str(err) and again.name == "bad"
+
+    sparse = torch.nn.Parameter(torch.zeros(5))
+    sparse.grad = torch.sparse_coo_tensor(
+        torch.tensor([[0, 1, 2]]),
+        torch.tensor([4.0]).expand(3),
+        (5,),
+        is_coalesced=True,
+        check_invariants=False,
+    )
+    opt2 = torch.optim.SGD([good, sparse], lr=1.0)
+    scaler.set_param_names({"good": good, "sparse": sparse})
+    with pytest.raises(SharedMemoryGradError, match="the gradient of sparse "):
+        scaler.unscale_(opt2)  # its values are a new object per call: found by their memory
+
+    # strided, non-overlapping layouts go through, bit for bit as torch.amp.GradScaler
+    base = torch.randn(8, 8) * 1024
+    views = [
+        lambda b: b[::2],
+        lambda b: b.t(),
+        lambda b: b[:, 1::3],
+        lambda b: b.reshape(4, 4, 4).permute(2, 0, 1),
+    ]
+    results = []
+    for scaler_ in (ShardedGradScaler("cpu", 1024.0), torch.amp.GradScaler("cpu", 1024.0)):
+        grads = [view(base.clone()) for view in views]  # each a view into its own copy
+        assert not any(g.is_contiguous() for g in grads)
+        params = [torch.nn.Parameter(torch.zeros(g.shape)) for g in grads]
+        for param, grad in zip(params, grads, strict=True):
+            param.grad = grad
+        opt3 = torch.optim.SGD(params, lr=1.0)
+        scaler_.scale(torch.tensor(1.0))
+        scaler_.step(opt3)
+        scaler_.update()
+        results.append([p.detach().clone() for p in params])
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)

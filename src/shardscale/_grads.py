@@ -51,63 +51,90 @@ _FLOAT_DTYPES = frozenset(
 
 
 class SharedMemoryGradError(ValueError):
-    """A gradient whose elements share memory (an expanded or stride-0 view, e.g.
-    ``torch.ones(1).expand(4, 4)``) cannot be unscaled or clipped in place: each shared location
-    would be multiplied several times (torch's in-place kernels refuse such a tensor, but only
-    when they reach it, after the gradients before it were written). Raised before anything is
+    """A gradient whose elements share memory (an expanded or stride-0 view such as
+    ``torch.ones(1).expand(4, 4)``, or an ``as_strided`` view over itself) cannot be unscaled or
+    clipped in place: a shared location would be multiplied several times (torch's in-place
+    kernels refuse stride-0 views only when they reach them, after the gradients before were
+    written, and multiply other self-overlapping views silently). Raised before anything is
     written.
 
     Attributes:
         grad: the gradient tensor (a local shard or sparse values where the gradient is one).
         param: the parameter it belongs to, where known (else None).
+        name: how the message names the parameter (None: unknown).
     """
 
     def __init__(self, grad: torch.Tensor, param: object = None, name: str | None = None):
-        self.grad, self.param = grad, param
+        self.grad, self.param, self.name = grad, param, name
         who = f"the gradient of {name}" if name else "a gradient"
         super().__init__(
             f"{who} (shape {tuple(grad.shape)}, strides {tuple(grad.stride())}) has elements "
-            "that share memory (an expanded or stride-0 view) and cannot be unscaled or clipped "
-            "in place; nothing was unscaled. Give the parameter a gradient of its own first, "
-            "e.g. p.grad = p.grad.clone()."
+            "that share memory (an expanded or overlapping view) and cannot be unscaled or "
+            "clipped in place; nothing was unscaled. Give the parameter a gradient of its own "
+            "first, e.g. p.grad = p.grad.clone()."
         )
+
+    def __reduce__(self) -> tuple[Any, ...]:  # copy/pickle: rebuilt from its fields
+        return (type(self), (self.grad, self.param, self.name))
 
     def naming(
         self, names: Mapping[int, str], optimizer: torch.optim.Optimizer | None = None
     ) -> SharedMemoryGradError:
         """This error again, naming the parameter: by its name in ``names`` (``{id(param):
-        name}``), else by its position in ``optimizer`` (found by its gradient when ``param``
-        is not known), else by its shape."""
+        name}``), else by its position in ``optimizer`` (found by its gradient's memory when
+        ``param`` is not known: sparse values and DTensor shards are new objects per call)."""
         param, position = self.param, None
         if optimizer is not None:
             for i, candidate in enumerate(iter_params(optimizer)):
-                grad = getattr(candidate, "grad", None)
-                if candidate is param or (
-                    param is None
-                    and grad is not None
-                    and (grad is self.grad or local_tensor(grad) is self.grad)
-                ):
+                if candidate is param or (param is None and _holds(candidate, self.grad)):
                     param, position = candidate, i
                     break
         if param is None:
             return self
         name = names.get(id(param))
         if name is None:
-            shape = tuple(param.shape) if isinstance(param, torch.Tensor) else "?"
-            where = f" {position} of the optimizer" if position is not None else ""
-            name = f"parameter{where} (shape {shape})"
+            name = "a parameter" if position is None else f"parameter {position} of the optimizer"
         return SharedMemoryGradError(self.grad, param, name)
+
+
+def _holds(param: object, values: torch.Tensor) -> bool:
+    """Whether ``values`` is ``param``'s gradient, its local shard or its sparse values (the
+    same memory, shape and strides). Error path only."""
+    grad = getattr(param, "grad", None)
+    if not isinstance(grad, torch.Tensor):
+        return False
+    local = local_tensor(grad)
+    local = local._values() if local.is_sparse else local
+    return (local.data_ptr(), local.shape, local.stride()) == (
+        values.data_ptr(),
+        values.shape,
+        values.stride(),
+    )
+
+
+def _may_overlap(t: torch.Tensor) -> bool:
+    """False when no two elements of ``t`` can share memory: its dimensions, sorted by stride,
+    each step over everything the smaller ones span (slices, transposes, permutations do).
+    True otherwise, which includes every stride-0 view and every ``as_strided`` view over
+    itself (and a few exotic interleaved layouts that do not overlap)."""
+    span = 0
+    for stride, size in sorted(
+        (st, sz) for sz, st in zip(t.shape, t.stride(), strict=True) if sz > 1
+    ):
+        if stride <= span:
+            return True
+        span += (size - 1) * stride
+    return False
 
 
 def require_writable(grad: torch.Tensor, param: object = None) -> None:
     """Raise :class:`SharedMemoryGradError` (naming ``param``'s gradient) if elements of
     ``grad`` share memory. Contiguous (and channels-last) tensors never do and cost one
     ``is_contiguous()``; tensor subclasses are left to their own kernels."""
-    if (
-        type(grad) is torch.Tensor
-        and not grad.is_contiguous()
-        and torch._debug_has_internal_overlap(grad) == 1  # 0: none, 2: too hard to tell
-    ):
+    if type(grad) is not torch.Tensor or grad.is_contiguous():
+        return
+    overlap = torch._debug_has_internal_overlap(grad)  # 0: none, 1: yes, 2: too hard to tell
+    if overlap == 1 or (overlap == 2 and _may_overlap(grad)):
         raise SharedMemoryGradError(grad, param)
 
 
