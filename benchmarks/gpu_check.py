@@ -207,6 +207,29 @@ def collapse_raises_on_cuda() -> tuple[bool, str]:
     return False, "no ScaleCollapseError after 12 NaN steps"
 
 
+def shared_memory_grad_refused_on_cuda() -> tuple[bool, str]:
+    """An expanded CUDA gradient after a good one: unscale_ refuses it naming the parameter,
+    before unscaling the good one (the accelerator path's check); after the fix it steps."""
+    good = torch.nn.Parameter(torch.zeros(3, device="cuda"))
+    bad = torch.nn.Parameter(torch.zeros(4, 4, device="cuda"))
+    opt = torch.optim.SGD([good, bad], lr=1.0)
+    s = ShardedGradScaler("cuda", init_scale=4.0, param_names={"good": good, "bad": bad})
+    s.scale(torch.tensor(1.0, device="cuda"))
+    good.grad = torch.full((3,), 4.0, device="cuda")
+    bad.grad = torch.tensor([4.0], device="cuda").expand(4, 4)
+    try:
+        s.unscale_(opt)
+        return False, "an expanded gradient was accepted"
+    except ValueError as e:
+        if "gradient of bad" not in str(e) or not bool((good.grad == 4.0).all()):
+            return False, f"wrong message or the good gradient was written: {e}"
+    bad.grad = torch.full((4, 4), 4.0, device="cuda")
+    s.step(opt)
+    s.update()
+    ok = bool((good == -1.0).all()) and bool((bad == -1.0).all())
+    return ok, "refused before writing, named; stepped after the fix" if ok else "wrong step"
+
+
 def copy_vs_unscale(numel: int, dtype: torch.dtype, rounds: int = 20) -> tuple[float, float]:
     """(unscale GB/s, device-to-device copy GB/s) over the same GPT-2-shaped gradient bytes."""
     gs = bench.GradSet(numel, dtype, torch.device("cuda"))
@@ -298,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     ok, detail = collapse_raises_on_cuda()
     check("collapse guard on CUDA (deferred one step)", ok, detail)
+    ok, detail = shared_memory_grad_refused_on_cuda()
+    check("expanded CUDA gradient refused before any write", ok, detail)
     for fused, clip, expect in (
         (True, False, 0),
         (True, True, 0),

@@ -46,6 +46,8 @@ def test_gpu_check_runs_on_the_cpu(dry: dict) -> None:
     assert dry["policy_kernels_match_reference"](steps=20)
     ok, detail = dry["collapse_raises_on_cuda"]()
     assert ok, detail
+    ok, detail = dry["shared_memory_grad_refused_on_cuda"]()
+    assert ok, detail
     for fn in ("copy_vs_unscale", "kernel_bandwidth"):
         u, c = dry[fn](100_000, torch.float16, rounds=2)
         assert u > 0 and c > 0
