@@ -70,6 +70,8 @@ _FLAGS = (
     "-fno-fast-math",
     "-fno-unsafe-math-optimizations",
 )
+#: The device key of CPU buckets: one object, so the step path compares it by identity.
+CPU = torch.device("cpu")
 _CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _BUILD_TIMEOUT_S = 300
 #: A batch for writes takes at most ``_SMALL_CAP`` tensors of fewer than ``_SMALL`` elements
@@ -79,6 +81,34 @@ _BUILD_TIMEOUT_S = 300
 #: few small tensors are cheaper in the kernel, thousands cheaper in torch's.
 _SMALL = 8192
 _SMALL_CAP = 128
+
+
+@dataclass(frozen=True)
+class LibSpec:
+    """What to build into a cached shared library: the source, the compiler, its flags.
+
+    Attributes:
+        prefix: the library's file name prefix (``<prefix>-<key>.so``).
+        source: the source file.
+        compilers: ``(environment variable, names to look for on $PATH)`` for the compiler.
+        flags: compiler flags, after the compiler and before the source.
+        link: linker flags, after the source.
+        key: further bytes the cache key depends on (e.g. torch's and Python's versions).
+        loader: ``ctypes.PyDLL`` for functions called with the GIL held; None: ``ctypes.CDLL``
+            (the GIL released during calls).
+    """
+
+    prefix: str
+    source: Path
+    compilers: tuple[str, tuple[str, ...]] = ("CC", ("cc", "gcc", "clang"))
+    flags: tuple[str, ...] = ()
+    link: tuple[str, ...] = ()
+    key: bytes = b""
+    loader: Any = None
+
+
+#: The CPU kernel: plain C with OpenMP.
+KERNEL = LibSpec("cpukernel", _SOURCE, flags=_FLAGS)
 
 
 @dataclass(frozen=True)
@@ -161,11 +191,12 @@ def _cache_dirs() -> list[tuple[Path, bool]]:
     return dirs
 
 
-def _compiler() -> list[str] | None:
-    cc = os.environ.get("CC")
+def _compiler(spec: LibSpec = KERNEL) -> list[str] | None:
+    env, names = spec.compilers
+    cc = os.environ.get(env)
     if cc:
         return shlex.split(cc)
-    for name in ("cc", "gcc", "clang"):
+    for name in names:
         path = shutil.which(name)
         if path:
             return [path]
@@ -188,9 +219,9 @@ def _private(path: Path, shared_parent: bool) -> bool:
     return st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
-def _key(cc: list[str]) -> str:
-    """The cache key: a hash of the source, the compiler (command and version), the flags and
-    the platform.
+def _key(cc: list[str], spec: LibSpec = KERNEL) -> str:
+    """The cache key: a hash of the source, the compiler (command and version), the flags,
+    ``spec.key`` and the platform.
 
     Raises:
         CpuKernelError: the compiler does not run.
@@ -200,21 +231,22 @@ def _key(cc: list[str]) -> str:
             [*cc, "--version"], capture_output=True, text=True, timeout=60, check=True
         ).stdout
     except (OSError, subprocess.SubprocessError) as e:
-        raise CpuKernelError(f"C compiler {shlex.join(cc)!r} does not run: {e}") from e
-    parts = [_SOURCE.read_bytes(), shlex.join(cc).encode(), version.encode()]
-    parts += [" ".join(_FLAGS).encode(), platform.machine().encode(), sys.platform.encode()]
+        raise CpuKernelError(f"compiler {shlex.join(cc)!r} does not run: {e}") from e
+    parts = [spec.source.read_bytes(), shlex.join(cc).encode(), version.encode()]
+    parts += [" ".join(spec.flags + spec.link).encode(), spec.key]
+    parts += [platform.machine().encode(), sys.platform.encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
-def _compile(cc: list[str], out: str) -> None:
-    """Compile ``_cpukernel.c`` into ``out``.
+def _compile(cc: list[str], out: str, spec: LibSpec = KERNEL) -> None:
+    """Compile ``spec.source`` (by default ``_cpukernel.c``) into ``out``.
 
     Raises:
         CpuKernelError: the compiler failed, wrote nothing, or timed out (then it is killed with
             the processes it started, e.g. ``cc1``); its output is in the message.
     """
-    command = [*cc, *_FLAGS, str(_SOURCE), "-o", out]
-    shown = shlex.join(command[:-2])
+    command = [*cc, *spec.flags, str(spec.source), "-o", out, *spec.link]
+    shown = shlex.join([*cc, *spec.flags, str(spec.source)])
     try:
         proc = subprocess.Popen(
             command,
@@ -237,7 +269,9 @@ def _compile(cc: list[str], out: str) -> None:
     if proc.returncode != 0:
         raise CpuKernelError(f"{shown} failed:\n{(stderr or stdout).strip()}")
     if os.path.getsize(out) == 0:
-        raise CpuKernelError(f"{shown} exited 0 but wrote nothing: is $CC a C compiler?")
+        raise CpuKernelError(
+            f"{shown} exited 0 but wrote nothing: is ${spec.compilers[0]} a compiler?"
+        )
 
 
 def _digest(path: Path | str) -> str:
@@ -255,8 +289,9 @@ def _usable_dirs() -> Iterator[Path]:
             continue
 
 
-def _build_and_load() -> tuple[Path, ctypes.CDLL]:
-    """The compiled library, loaded: from the cache, else compiled into it.
+def _build_and_load(spec: LibSpec = KERNEL) -> tuple[Path, ctypes.CDLL]:
+    """The compiled library (``spec``, by default the kernel), loaded: from the cache, else
+    compiled into it.
 
     First every private cache directory (:func:`_cache_dirs`; one owned by another user or
     writable by others is never used) is searched for the library, loaded only if its recorded
@@ -266,17 +301,19 @@ def _build_and_load() -> tuple[Path, ctypes.CDLL]:
     install a whole file).
 
     Raises:
-        CpuKernelError: no C compiler, it failed, or no directory where the library loads.
+        CpuKernelError: no compiler, it failed, or no directory where the library loads.
     """
-    cc = _compiler()
+    cc = _compiler(spec)
     if cc is None:
-        raise CpuKernelError("no C compiler found (set $CC, or install gcc)")
-    name = f"cpukernel-{_key(cc)}.so"
+        env, names = spec.compilers
+        raise CpuKernelError(f"no compiler found (set ${env}, or install {names[-2]})")
+    name = f"{spec.prefix}-{_key(cc, spec)}.so"
+    load = spec.loader or ctypes.CDLL
     for cache in _usable_dirs():
         lib, sha = cache / name, cache / (name + ".sha256")
         try:
             if _private(lib, True) and _private(sha, True) and sha.read_text() == _digest(lib):
-                return lib, ctypes.CDLL(str(lib))
+                return lib, load(str(lib))
         except OSError:
             continue  # missing, unreadable, or does not load here: (re)built below
     problems: list[str] = []
@@ -289,9 +326,9 @@ def _build_and_load() -> tuple[Path, ctypes.CDLL]:
             problems.append(f"{cache}: {e}")
             continue
         try:
-            _compile(cc, tmp)
+            _compile(cc, tmp, spec)
             try:
-                loaded = ctypes.CDLL(tmp)
+                loaded = load(tmp)
             except OSError as e:
                 problems.append(f"{cache}: the library does not load there ({e})")
                 continue
@@ -422,6 +459,23 @@ class Batch:
         self._small_left = _SMALL_CAP if writes else -1  # -1: no limit
         self._on = fns is not None and _CODES.get(dtype) in codes
         self._fns = fns
+
+    @classmethod
+    def gathered(
+        cls,
+        dtype: torch.dtype,
+        taken: list[torch.Tensor],
+        ptrs: array,
+        lens: array,
+        rest: list[torch.Tensor],
+        small_left: int,
+    ) -> Batch:
+        """A batch for writes whose tensors were split, as :meth:`add` would split them, by
+        ``_gather.cpp`` (:mod:`shardscale._gather`)."""
+        batch = cls(dtype)
+        batch.taken, batch.ptrs, batch.lens, batch.rest = taken, ptrs, lens, rest
+        batch._small_left = small_left
+        return batch
 
     def add(self, t: torch.Tensor, numel: int) -> None:
         """Add ``t`` (``numel``: its ``numel()``, which the caller has read already)."""

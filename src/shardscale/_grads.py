@@ -10,7 +10,9 @@ from typing import Any
 
 import torch
 
+from ._cpukernel import CPU as _CPU
 from ._cpukernel import Batch, unscale_batch_
+from ._gather import gather
 from ._sync import to_device
 
 try:  # DTensor is public from torch 2.5 on; keep the import soft for other builds.
@@ -21,8 +23,6 @@ except ImportError:  # pragma: no cover - torch built without distributed
 #: ``{device: {dtype: tensors}}``; CPU buckets are :class:`~shardscale._cpukernel.Batch` objects
 #: (the tensors split for the compiled kernel as they were gathered), the others lists.
 Buckets = dict[torch.device, dict[torch.dtype, "list[torch.Tensor] | Batch"]]
-
-_CPU = torch.device("cpu")
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -233,11 +233,18 @@ def bucket_grads(optimizer: torch.optim.Optimizer, skip: Container[int] = ()) ->
         the end when a parameter took the general path (a ``.grad`` getter of a parameter or
         gradient subclass could have run user code after earlier addresses were read).
         Parameters without ``.grad`` and empty shards are left out, so a rank that holds no
-        shard gets ``{}``.
+        shard gets ``{}``. The common case on the CPU (nothing skipped, every parameter a plain
+        ``nn.Parameter`` listed once, every gradient a plain dense CPU tensor of a dtype the
+        kernel has a path for) is gathered in C++ (:mod:`shardscale._gather`), with the same
+        result.
 
     Raises:
         TypeError: a parameter is not a tensor, or a gradient is not floating point.
     """
+    if not skip:  # the common case on the CPU, gathered in C++ (None: not the common case)
+        gathered = gather(optimizer)
+        if gathered is not None:
+            return gathered  # type: ignore[return-value]
     buckets: Buckets = {}
     cpu: dict[torch.dtype, Batch] | None = None
     general = False  # a parameter took grad_values()
@@ -302,7 +309,7 @@ def zero_flag(device: torch.device) -> torch.Tensor:
     backward pass a first ``torch.zeros`` costs ~40 us of cold dispatch. Elsewhere
     ``torch.zeros`` (an accelerator's buffer would be zeroed on whichever stream was current).
     """
-    if device.type != "cpu":
+    if device is not _CPU and device.type != "cpu":
         return torch.zeros((), dtype=torch.float32, device=device)
     while True:  # another thread may take the new ones first
         try:

@@ -135,6 +135,10 @@ def launch(cfg: TrainConfig, worker_argv: list[str]) -> int:
         logs_specs=DefaultLogsSpecs(log_dir=log_dir),
     )
     os.environ["SHARDSCALE_TRAIN_LAUNCHER"] = "1"
+    if cfg.device == "cpu":  # build the compiled CPU parts here once (cached), not in every rank
+        from .. import _gather
+
+        _gather.status()
     try:
         elastic_launch(config, sys.executable)("-m", WORKER_MODULE, *worker_argv)
         return 0
