@@ -40,6 +40,15 @@ struct Bucket {
   bool seen = false;
 };
 
+// New references to the parameters for the duration of a call: creating a gradient's Python
+// object can run the garbage collector, whose finalizers could edit the param groups.
+struct Held {
+  std::vector<PyObject*> objs;
+  ~Held() {
+    for (PyObject* o : objs) Py_DECREF(o);
+  }
+};
+
 void release(Bucket (&b)[kCodes]) {
   for (auto& bk : b) {
     for (PyObject* o : bk.taken) Py_DECREF(o);
@@ -66,10 +75,11 @@ PyObject* as_array(PyObject* array_type, const std::vector<int64_t>& v) {
 
 // false: not the common case (the caller takes the Python path).
 bool gather(PyObject* groups, PyObject* param_type, PyObject* tensor_type, long long codes,
-            long long small, long long small_cap, Bucket (&b)[kCodes], int* order, int* norder) {
+            long long small, long long small_cap, Bucket (&b)[kCodes], int* order, int* norder,
+            Held& held) {
   static PyObject* key = PyUnicode_InternFromString("params");
   if (!key || !PyList_Check(groups)) return false;
-  std::vector<PyObject*> params;
+  std::vector<PyObject*>& params = held.objs;
   for (Py_ssize_t gi = 0; gi < PyList_GET_SIZE(groups); ++gi) {
     PyObject* group = PyList_GET_ITEM(groups, gi);
     PyObject* list = PyDict_Check(group) ? PyDict_GetItemWithError(group, key) : nullptr;
@@ -77,6 +87,7 @@ bool gather(PyObject* groups, PyObject* param_type, PyObject* tensor_type, long 
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); ++i) {
       PyObject* p = PyList_GET_ITEM(list, i);
       if (reinterpret_cast<PyObject*>(Py_TYPE(p)) != param_type) return false;
+      Py_INCREF(p);
       params.push_back(p);
     }
   }
@@ -87,7 +98,7 @@ bool gather(PyObject* groups, PyObject* param_type, PyObject* tensor_type, long 
   }
   static const int esize[kCodes] = {4, 2, 2};
   for (PyObject* p : params) {
-    const at::Tensor& grad = THPVariable_Unpack(p).grad();
+    const at::Tensor grad = THPVariable_Unpack(p).grad();  // held: see Held
     if (!grad.defined()) continue;
     if (!grad.is_cpu() || grad.layout() != c10::kStrided) return false;
     int code = code_of(grad.scalar_type());
@@ -138,10 +149,11 @@ extern "C" PyObject* shardscale_gather(PyObject* groups, PyObject* ctx, long lon
   Bucket b[kCodes];
   int order[kCodes], norder = 0;
   PyObject* result = nullptr;
+  Held held;
   try {
     if (PyTuple_Check(ctx) && PyTuple_GET_SIZE(ctx) == 3 &&
         gather(groups, PyTuple_GET_ITEM(ctx, 0), PyTuple_GET_ITEM(ctx, 1), codes, small,
-               small_cap, b, order, &norder)) {
+               small_cap, b, order, &norder, held)) {
       PyObject* array_type = PyTuple_GET_ITEM(ctx, 2);
       result = PyList_New(norder);
       for (int j = 0; result && j < norder; ++j) {
