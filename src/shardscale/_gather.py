@@ -127,8 +127,8 @@ def reset() -> None:
 
 @contextlib.contextmanager
 def python_path() -> Iterator[None]:
-    """Within this block, gradients are gathered by the Python path (tests, ``shardscale
-    bench``). Not thread-safe; not for training code: set ``SHARDSCALE_CPU_GATHER=0``."""
+    """Within this block, gradients are gathered by the Python path (tests compare both).
+    Not thread-safe; not for training code: set ``SHARDSCALE_CPU_GATHER=0``."""
     global _off
     before, _off = _off, True
     try:
