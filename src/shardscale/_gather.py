@@ -44,6 +44,8 @@ _SOURCE = Path(__file__).with_name("_gather.cpp")
 _DTYPES = {code: dtype for dtype, code in _cpukernel._CODES.items()}
 #: ``_gather.cpp``'s ctx: the exact types it accepts, and the array type it returns
 _CTX = (torch.nn.Parameter, torch.Tensor, array)
+#: Whether a ``__torch_function__`` mode is active (None in a torch without it: never gather)
+_mode_on = getattr(torch._C, "_is_torch_function_mode_enabled", None)
 
 _lock = threading.Lock()
 _fn: Any = None  # the loaded function; False: unavailable
@@ -143,7 +145,7 @@ def gather(optimizer: torch.optim.Optimizer) -> dict[torch.device, dict[torch.dt
     not the common case, the C++ library is not in use, or a ``__torch_function__`` mode is
     active (it could see ``param.grad``): then take the Python path."""
     fn = _fn if _fn is not None else _load()
-    if not fn or _off or torch._C._is_torch_function_mode_enabled():
+    if not fn or _off or _mode_on is None or _mode_on():
         return None
     _, fns, codes = _cpukernel._loaded or _cpukernel._load()  # tests reload the kernel
     if fns is None:
