@@ -200,6 +200,36 @@ def _ids(bucket) -> list[tuple]:
     return [(t.data_ptr(), t.shape, t.stride()) for t in tensors]
 
 
+def test_container_subclasses_take_the_python_path(gathered) -> None:
+    """A param group, param list or param_groups of a dict/list subclass is read through its
+    own methods (the trial's find: the C API read past an overridden __getitem__/__iter__)."""
+
+    class Group(dict):
+        def __getitem__(self, key):  # hides the frozen parameters
+            value = super().__getitem__(key)
+            return [p for p in value if p.requires_grad] if key == "params" else value
+
+    class Params(list):
+        pass
+
+    class Groups(list):
+        pass
+
+    for make in ("group", "params", "groups"):
+        opt = _uncommon("plain")
+        group = opt.param_groups[0]
+        if make == "group":
+            opt.param_groups[0] = Group(group)
+            group["params"][1].requires_grad_(False)
+        elif make == "params":
+            group["params"] = Params(group["params"])
+        else:
+            opt.param_groups = Groups(opt.param_groups)
+        assert _gather.gather(opt) is None, make
+        _same(bucket_grads(opt), _python(opt))
+    assert len(bucket_grads(opt)[CPU][torch.float32].taken) == 2  # all of them, via Python
+
+
 def test_a_torch_function_mode_takes_the_python_path(gathered) -> None:
     """Under a __torch_function__ mode, `.grad` is read through Python (the mode sees it)."""
     seen = []

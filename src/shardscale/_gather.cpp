@@ -78,12 +78,13 @@ bool gather(PyObject* groups, PyObject* param_type, PyObject* tensor_type, long 
             long long small, long long small_cap, Bucket (&b)[kCodes], int* order, int* norder,
             Held& held) {
   static PyObject* key = PyUnicode_InternFromString("params");
-  if (!key || !PyList_Check(groups)) return false;
+  // exact types only: a subclass's own __getitem__/__iter__ would be bypassed by the C API
+  if (!key || !PyList_CheckExact(groups)) return false;
   std::vector<PyObject*>& params = held.objs;
   for (Py_ssize_t gi = 0; gi < PyList_GET_SIZE(groups); ++gi) {
     PyObject* group = PyList_GET_ITEM(groups, gi);
-    PyObject* list = PyDict_Check(group) ? PyDict_GetItemWithError(group, key) : nullptr;
-    if (!list || !PyList_Check(list)) return false;
+    PyObject* list = PyDict_CheckExact(group) ? PyDict_GetItemWithError(group, key) : nullptr;
+    if (!list || !PyList_CheckExact(list)) return false;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list); ++i) {
       PyObject* p = PyList_GET_ITEM(list, i);
       if (reinterpret_cast<PyObject*>(Py_TYPE(p)) != param_type) return false;
