@@ -92,11 +92,6 @@ bool gather(PyObject* groups, PyObject* param_type, PyObject* tensor_type, long 
       params.push_back(p);
     }
   }
-  if (params.size() > 1) {  // a parameter listed twice: the Python path keeps the first
-    std::vector<PyObject*> sorted(params);
-    std::sort(sorted.begin(), sorted.end());
-    if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end()) return false;
-  }
   static const int esize[kCodes] = {4, 2, 2};
   for (PyObject* p : params) {
     const at::Tensor grad = THPVariable_Unpack(p).grad();  // held: see Held
@@ -136,7 +131,11 @@ bool gather(PyObject* groups, PyObject* param_type, PyObject* tensor_type, long 
     }
     (take ? bk.taken : bk.rest).push_back(obj);
   }
-  return true;
+  // a parameter listed twice: the Python path keeps the first (checked last, so that a model
+  // on an accelerator is turned away at its first gradient, before this sort)
+  std::vector<PyObject*> sorted(params);
+  std::sort(sorted.begin(), sorted.end());
+  return std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end();
 }
 
 }  // namespace

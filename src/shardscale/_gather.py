@@ -142,9 +142,10 @@ def python_path() -> Iterator[None]:
 def gather(optimizer: torch.optim.Optimizer) -> dict[torch.device, dict[torch.dtype, Any]] | None:
     """``optimizer``'s gradients bucketed as :func:`shardscale._grads.bucket_grads` would
     (``{cpu: {dtype: Batch}}``, ``{}`` when no parameter has a gradient), or None when this is
-    not the common case, the C++ library is not in use, or a ``__torch_function__`` mode is
-    active (it could see ``param.grad``): then take the Python path."""
-    fn = _fn if _fn is not None else _load()
+    not the common case, the C++ library is not loaded (yet: it is built only for processes
+    that have CPU gradients) or not in use, or a ``__torch_function__`` mode is active (it
+    could see ``param.grad``): then take the Python path."""
+    fn = _fn  # loaded by status(), which bucket_grads calls once it has made a CPU bucket
     if not fn or _off or _mode_on is None or _mode_on():
         return None
     _, fns, codes = _cpukernel._loaded or _cpukernel._load()  # tests reload the kernel

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from . import _gather
 from ._cpukernel import CPU as _CPU
 from ._cpukernel import Batch, unscale_batch_
 from ._gather import gather
@@ -293,6 +294,8 @@ def bucket_grads(optimizer: torch.optim.Optimizer, skip: Container[int] = ()) ->
     if general and cpu:  # read the addresses after every getter ran
         for dtype, batch in cpu.items():
             cpu[dtype] = batch.regathered()
+    if cpu and _gather._fn is None:  # CPU gradients: build/load the C++ gathering for next time
+        _gather.status()
     return buckets
 
 
