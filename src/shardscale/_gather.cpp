@@ -14,6 +14,7 @@
 // Called through ctypes.PyDLL: the GIL is held throughout.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <ATen/Parallel.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <algorithm>
@@ -73,10 +74,10 @@ PyObject* as_array(PyObject* array_type, const std::vector<int64_t>& v) {
                                static_cast<Py_ssize_t>(v.size() * sizeof(int64_t)));
 }
 
-// false: not the common case (the caller takes the Python path).
-bool gather(PyObject* groups, PyObject* param_type, PyObject* tensor_type, long long codes,
-            long long small, long long small_cap, Bucket (&b)[kCodes], int* order, int* norder,
-            Held& held) {
+// Every parameter of every param group, as new references in held (in order). false: not the
+// common case (not exactly a list of dicts with exactly a list under "params", or a parameter
+// that is not exactly nn.Parameter).
+bool list_params(PyObject* groups, PyObject* param_type, Held& held) {
   static PyObject* key = PyUnicode_InternFromString("params");
   // exact types only: a subclass's own __getitem__/__iter__ would be bypassed by the C API
   if (!key || !PyList_CheckExact(groups)) return false;
@@ -92,6 +93,22 @@ bool gather(PyObject* groups, PyObject* param_type, PyObject* tensor_type, long 
       params.push_back(p);
     }
   }
+  return true;
+}
+
+// No parameter listed twice (the Python path takes a tied weight listed twice once).
+bool listed_once(const std::vector<PyObject*>& params) {
+  std::vector<PyObject*> sorted(params);
+  std::sort(sorted.begin(), sorted.end());
+  return std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end();
+}
+
+// false: not the common case (the caller takes the Python path).
+bool gather(PyObject* groups, PyObject* param_type, PyObject* tensor_type, long long codes,
+            long long small, long long small_cap, Bucket (&b)[kCodes], int* order, int* norder,
+            Held& held) {
+  if (!list_params(groups, param_type, held)) return false;
+  const std::vector<PyObject*>& params = held.objs;
   static const int esize[kCodes] = {4, 2, 2};
   for (PyObject* p : params) {
     const at::Tensor grad = THPVariable_Unpack(p).grad();  // held: see Held
@@ -133,9 +150,7 @@ bool gather(PyObject* groups, PyObject* param_type, PyObject* tensor_type, long 
   }
   // a parameter listed twice: the Python path keeps the first (checked last, so that a model
   // on an accelerator is turned away at its first gradient, before this sort)
-  std::vector<PyObject*> sorted(params);
-  std::sort(sorted.begin(), sorted.end());
-  return std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end();
+  return listed_once(params);
 }
 
 }  // namespace
@@ -179,4 +194,118 @@ extern "C" PyObject* shardscale_gather(PyObject* groups, PyObject* ctx, long lon
   if (result) return result;
   PyErr_Clear();
   Py_RETURN_NONE;
+}
+
+// ------------------------------------------------------------------ gather and unscale at once
+namespace {
+
+// A tensor's Python object if it has one, read without making one: nullptr if it has none (the
+// autograd engine makes gradients in C++; such a tensor is a plain torch.Tensor, and a Python
+// subclass's object lives as long as its tensor). kUnknown where this torch's PyObjectSlot has
+// no load_pyobj() (older versions): the caller then asks THPVariable_Wrap.
+PyObject* const kUnknown = reinterpret_cast<PyObject*>(1);
+
+template <class Impl>
+auto existing_pyobj(Impl* impl, int) -> decltype(impl->pyobj_slot()->load_pyobj()) {
+  return impl->pyobj_slot()->load_pyobj();
+}
+
+template <class Impl>
+PyObject* existing_pyobj(Impl*, long) {
+  return kUnknown;
+}
+
+// Whether a gradient is a plain torch.Tensor (not a Python subclass).
+bool plain_tensor(const at::Tensor& grad, PyObject* tensor_type) {
+  PyObject* obj = existing_pyobj(grad.unsafeGetTensorImpl(), 0);
+  if (obj != kUnknown) return !obj || reinterpret_cast<PyObject*>(Py_TYPE(obj)) == tensor_type;
+  obj = THPVariable_Wrap(grad);
+  if (!obj) return false;
+  bool plain = reinterpret_cast<PyObject*>(Py_TYPE(obj)) == tensor_type;
+  Py_DECREF(obj);
+  return plain;
+}
+
+// The address of a plain float32 CPU tensor's one element (a found-inf flag, a factor), else
+// nullptr: as _cpukernel._scalar_ptr.
+float* scalar_ptr(PyObject* obj, PyObject* tensor_type) {
+  if (reinterpret_cast<PyObject*>(Py_TYPE(obj)) != tensor_type) return nullptr;
+  const at::Tensor& t = THPVariable_Unpack(obj);
+  if (!t.defined() || !t.is_cpu() || t.layout() != c10::kStrided ||
+      t.scalar_type() != c10::ScalarType::Float || t.numel() != 1)
+    return nullptr;
+  return static_cast<float*>(t.data_ptr());
+}
+
+using UnscalePacked = int (*)(const int64_t*);
+
+int gather_unscale(PyObject* groups, PyObject* ctx, PyObject* found_inf, PyObject* inv_scale) {
+  if (!PyTuple_Check(ctx) || PyTuple_GET_SIZE(ctx) != 4) return -1;
+  PyObject* param_type = PyTuple_GET_ITEM(ctx, 0);
+  PyObject* tensor_type = PyTuple_GET_ITEM(ctx, 1);
+  long long codes = PyLong_AsLongLong(PyTuple_GET_ITEM(ctx, 2));
+  auto kernel = reinterpret_cast<UnscalePacked>(PyLong_AsVoidPtr(PyTuple_GET_ITEM(ctx, 3)));
+  float* flag = scalar_ptr(found_inf, tensor_type);
+  float* inv = scalar_ptr(inv_scale, tensor_type);
+  if (PyErr_Occurred() || !kernel || !flag || !inv) return -1;
+  Held held;
+  if (!list_params(groups, param_type, held)) return -1;
+  static const int esize[kCodes] = {4, 2, 2};
+  std::vector<at::Tensor> grads;  // held while the kernel runs
+  std::vector<int64_t> ptrs, lens;
+  int code = -1;
+  for (PyObject* p : held.objs) {
+    at::Tensor grad = THPVariable_Unpack(p).grad();
+    if (!grad.defined()) continue;
+    if (!grad.is_cpu() || grad.layout() != c10::kStrided) return -1;
+    int c = code_of(grad.scalar_type());
+    if (c < 0 || !(codes >> c & 1) || (code >= 0 && c != code)) return -1;  // one dtype only
+    code = c;
+    int64_t numel = grad.numel();
+    if (numel == 0) continue;
+    if (!plain_tensor(grad, tensor_type)) return -1;
+    int64_t dim = grad.dim();
+    bool dense = grad.is_contiguous() ||
+                 (dim == 4 && grad.is_contiguous(c10::MemoryFormat::ChannelsLast)) ||
+                 (dim == 5 && grad.is_contiguous(c10::MemoryFormat::ChannelsLast3d));
+    auto ptr = reinterpret_cast<intptr_t>(grad.data_ptr());
+    if (!dense || !ptr || ptr % esize[c]) return -1;  // torch's kernel takes those: Python path
+    ptrs.push_back(static_cast<int64_t>(ptr));
+    lens.push_back(numel);
+    grads.push_back(std::move(grad));
+  }
+  if (!listed_once(held.objs)) return -1;
+  if (ptrs.empty()) return 1;
+  const int64_t args[7] = {reinterpret_cast<int64_t>(ptrs.data()),
+                           reinterpret_cast<int64_t>(lens.data()),
+                           static_cast<int64_t>(ptrs.size()),
+                           code,
+                           reinterpret_cast<int64_t>(inv),
+                           reinterpret_cast<int64_t>(flag),
+                           at::get_num_threads()};
+  int rc;
+  Py_BEGIN_ALLOW_THREADS  // as a ctypes.CDLL call of the kernel: other Python threads run
+  rc = kernel(args);
+  Py_END_ALLOW_THREADS
+  return rc == 0 ? 0 : -1;  // refused (overlapping memory) or out of memory: nothing written
+}
+
+}  // namespace
+
+// bucket_grads and the kernel's unscale in one call, for the common case with one dtype and
+// every gradient the kernel's (plain, dense, aligned; no small-tensor cap: there is no Python
+// per tensor to save). ctx: (nn.Parameter, torch.Tensor, codes bit mask, the address of
+// _cpukernel.c's shardscale_unscale_packed). found_inf, inv_scale: plain float32 CPU tensors of
+// one element. Returns 0: unscaled (found_inf set to 1.0 if a value was inf or NaN), 1: no
+// gradient (nothing done), -1: not the common case, nothing written (the Python path).
+extern "C" int shardscale_gather_unscale(PyObject* groups, PyObject* ctx, PyObject* found_inf,
+                                         PyObject* inv_scale) {
+  int rc;
+  try {
+    rc = gather_unscale(groups, ctx, found_inf, inv_scale);
+  } catch (...) {  // a tensor without storage, out of memory: the Python path says what is wrong
+    rc = -1;
+  }
+  if (rc < 0) PyErr_Clear();
+  return rc;
 }

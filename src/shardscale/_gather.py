@@ -49,6 +49,8 @@ _mode_on = getattr(torch._C, "_is_torch_function_mode_enabled", None)
 
 _lock = threading.Lock()
 _fn: Any = None  # the loaded function; False: unavailable
+_unscale_fn: Any = None  # shardscale_gather_unscale, loaded with _fn
+_unscale_ctx: tuple[Any, tuple[Any, ...]] | None = None  # (the kernel's functions, the ctx)
 _reason = ""  # why not, or the library's path
 _masks: dict[frozenset[int], int] = {}  # the kernel's dtype codes -> the bit mask the C++ takes
 _off = False  # set by python_path()
@@ -111,6 +113,10 @@ def _load() -> Any:
         fn = lib.shardscale_gather
         fn.argtypes = [ctypes.py_object, ctypes.py_object] + [ctypes.c_longlong] * 3
         fn.restype = ctypes.py_object
+        global _unscale_fn
+        _unscale_fn = lib.shardscale_gather_unscale
+        _unscale_fn.argtypes = [ctypes.py_object] * 4
+        _unscale_fn.restype = ctypes.c_int
         _fn, _reason = fn, str(path)
         return _fn
 
@@ -122,9 +128,9 @@ def status() -> tuple[bool, str]:
 
 def reset() -> None:
     """Forget the loaded function, so the next call loads it again (tests)."""
-    global _fn
+    global _fn, _unscale_fn, _unscale_ctx
     with _lock:
-        _fn = None
+        _fn = _unscale_fn = _unscale_ctx = None
 
 
 @contextlib.contextmanager
@@ -160,3 +166,29 @@ def gather(optimizer: torch.optim.Optimizer) -> dict[torch.device, dict[torch.dt
     if not got:
         return {}
     return {_CPU: {_DTYPES[code]: Batch.gathered(_DTYPES[code], *parts) for code, *parts in got}}
+
+
+def unscale_(
+    optimizer: torch.optim.Optimizer, found_inf: torch.Tensor, inv_scale: torch.Tensor
+) -> bool | None:
+    """:func:`gather` and the kernel's unscale (:func:`shardscale._cpukernel.unscale_batch_`)
+    in one C++ call, for the commonest case: every gradient of one dtype, plain, dense and
+    aligned (the kernel takes them all). Multiplies the gradients by ``inv_scale`` (a 0-d
+    float32 CPU tensor; 1.0: check only, nothing written) and sets ``found_inf`` (a 0-d
+    float32 CPU tensor) to 1.0 if one held inf or NaN.
+
+    Returns True when done, False when no parameter has a gradient (nothing done), None when
+    this is not that case (nothing written: take the Python path), as :func:`gather`."""
+    fn = _unscale_fn
+    if not fn or _off or _mode_on is None or _mode_on() or _cpukernel._forced_torch:
+        return None
+    _, fns, codes = _cpukernel._loaded or _cpukernel._load()
+    if fns is None:
+        return None
+    global _unscale_ctx
+    cached = _unscale_ctx
+    if cached is None or cached[0] is not fns:  # (tests reload the kernel)
+        address = ctypes.cast(fns.unscale_packed, ctypes.c_void_p).value
+        cached = _unscale_ctx = (fns, (*_CTX[:2], sum(1 << c for c in codes), address))
+    rc = fn(optimizer.param_groups, cached[1], found_inf, inv_scale)
+    return None if rc < 0 else rc == 0

@@ -371,3 +371,24 @@ def unscale_and_check(
                     torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv)  # type: ignore[arg-type]
         flags[device] = flag
     return flags
+
+
+#: The factor of a check-only pass (the compiled kernel reads it; nothing writes it)
+_ONE = torch.ones((), dtype=torch.float32)
+
+
+def unscale_grads_(
+    optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor | None, skip: Container[int] = ()
+) -> dict[torch.device, torch.Tensor]:
+    """``unscale_and_check(bucket_grads(optimizer, skip), inv_scale)``: the commonest CPU case
+    (nothing skipped; every gradient a plain, dense, aligned CPU tensor of one dtype the
+    compiled kernel has a path for) in one C++ call (:func:`shardscale._gather.unscale_`), the
+    same result; any other case as that expression. Arguments, result and errors as
+    :func:`bucket_grads` and :func:`unscale_and_check`."""
+    if not skip and _gather._unscale_fn:
+        flag = zero_flag(_CPU)
+        done = _gather.unscale_(optimizer, flag, _ONE if inv_scale is None else inv_scale)
+        if done is not None:
+            return {_CPU: flag} if done else {}
+        _CPU_FLAGS.append(flag)  # unwritten and never handed out: back to the pool
+    return unscale_and_check(bucket_grads(optimizer, skip), inv_scale)

@@ -23,7 +23,7 @@ from ._config import (
     check_growth_interval,
     check_scale,
 )
-from ._grads import SharedMemoryGradError, bucket_grads, iter_params, unscale_and_check
+from ._grads import SharedMemoryGradError, iter_params, unscale_grads_
 from ._policy import COUNTER_NAMES, ScaleState, count_step, step_in_place
 from ._report import (
     OverflowReport,
@@ -380,7 +380,7 @@ class ShardedGradScaler:
             home = self._state.scale.device
             pre = self._pre_unscaled
             try:
-                flags = unscale_and_check(bucket_grads(optimizer, skip=pre), inv_scale)
+                flags = unscale_grads_(optimizer, inv_scale, skip=pre)
             except SharedMemoryGradError as e:
                 raise e.naming(self._names.current(), optimizer) from None
             local = _combine_flags(flags, home)
