@@ -313,3 +313,184 @@ def test_it_can_be_turned_off_and_a_failed_build_falls_back(monkeypatch, tmp_pat
         monkeypatch.undo()
         _gather.reset()
         _gather.status()
+
+
+# ------------------------------------------------- the one-call unscale (_gather.unscale_)
+#: gradient kinds the one-call unscale takes (plain, dense, aligned; or none/empty)
+TAKEN = ["none", "empty", "small", "big", "channels_last", "channels_last_3d"]
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit except NaN payloads (torch's kernel, which the Python path uses for
+    small tensors past the cap, may give another NaN): NaN at the same places."""
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(a[~nan], b[~nan])
+
+
+def _grads_of(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+
+
+def _both_ways(build, inv: torch.Tensor | None) -> tuple[dict, dict, list, list]:
+    """unscale_grads_ on one copy (as it chooses), the Python path on another."""
+    from shardscale._grads import unscale_and_check, unscale_grads_
+
+    mine, theirs = build(), build()
+    got = unscale_grads_(mine, inv)
+    with _gather.python_path():
+        want = unscale_and_check(bucket_grads(theirs), inv)
+    return got, want, _grads_of(mine), _grads_of(theirs)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.sampled_from(TAKEN), st.integers(0, 2)), min_size=1, max_size=10),
+    st.sampled_from(DTYPES),
+    st.sampled_from([None, 1.0, 2.0**-8, 1.0 / 3.0, 2.0**100]),
+    st.sampled_from(["finite", "inf", "nan"]),
+    st.integers(0, 1000),
+)
+def test_the_one_call_unscale_is_the_python_paths(specs, dtype, inv, bad, seed) -> None:
+    """One dtype, every gradient taken: the one-call unscale runs, and gives the Python path's
+    gradients (bit for bit) and found_inf, for any factor (None: check only), with or without
+    an inf/NaN."""
+    if not _gather.status()[0]:
+        pytest.skip("C++ gathering unavailable")
+
+    def build() -> torch.optim.Optimizer:
+        torch.manual_seed(seed)
+        opt = _optimizer([(kind, dtype, group) for kind, group in specs])
+        grads = [g for g in _grads_of(opt) if g.numel()]
+        if bad != "finite" and grads:
+            g = grads[seed % len(grads)]
+            g[(0,) * g.dim()] = float(bad)  # (channels-last tensors have no flat view)
+        return opt
+
+    factor = None if inv is None else torch.tensor(inv)
+    opt = build()
+    flag = torch.zeros(())
+    done = _gather.unscale_(opt, flag, torch.ones(()) if factor is None else factor)
+    any_grad = any(g.numel() for g in _grads_of(opt))
+    assert done is any_grad  # True: it ran; False: nothing to do
+    got, want, a, b = _both_ways(build, factor)
+    assert [d.type for d in got] == [d.type for d in want]
+    for device in want:
+        assert got[device].item() == want[device].item() == float(bad != "finite")
+    assert len(a) == len(b) and all(_same_values(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _declined(case: str) -> torch.optim.Optimizer:
+    """An optimizer the one-call unscale turns away (a case the gathering takes, or not)."""
+    p, q = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(6, 4))
+    p.grad, q.grad = torch.full((4,), 8.0), torch.full((6, 4), 8.0)
+    if case == "mixed_dtypes":
+        q.data, q.grad = q.data.bfloat16(), q.grad.bfloat16()
+    elif case == "transposed":
+        q.grad = torch.full((4, 6), 8.0).t()
+    elif case == "misaligned":
+        q.data, q.grad = torch.zeros(10), _misaligned(10).fill_(8.0)
+    elif case == "shared_grad":  # two parameters, one gradient: the kernel refuses the overlap
+        q.data, q.grad = torch.zeros(4), p.grad
+    elif case in ("duplicate", "plain_tensor_param", "param_subclass", "grad_subclass"):
+        return _uncommon(case)
+    return torch.optim.SGD([p, q], lr=0.1)
+
+
+DECLINED = [
+    "mixed_dtypes",
+    "transposed",
+    "misaligned",
+    "shared_grad",
+    "duplicate",
+    "plain_tensor_param",
+    "param_subclass",
+    "grad_subclass",
+]
+
+
+@pytest.mark.parametrize("case", DECLINED)
+def test_the_one_call_unscale_declines_before_writing(gathered, case) -> None:
+    """Not its case: None, nothing written (flag nor gradients), and unscale_grads_ gives the
+    Python path's result."""
+    opt = _declined(case)
+    before = [g.clone() for g in _grads_of(opt)]
+    flag = torch.zeros(())
+    assert _gather.unscale_(opt, flag, torch.tensor(0.5)) is None
+    assert flag.item() == 0.0
+    assert all(torch.equal(x, y) for x, y in zip(_grads_of(opt), before, strict=True))
+    got, want, a, b = _both_ways(lambda: _declined(case), torch.tensor(0.5))
+    assert {d: f.item() for d, f in got.items()} == {d: f.item() for d, f in want.items()}
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("which", ["flag_float64", "flag_two_elements", "factor_meta"])
+def test_the_one_call_unscale_declines_other_flags_and_factors(gathered, which) -> None:
+    """A flag or factor it cannot address (not a plain one-element float32 CPU tensor): None."""
+    opt = _declined("plain")
+    flag, factor = torch.zeros(()), torch.tensor(0.5)
+    if which == "flag_float64":
+        flag = torch.zeros((), dtype=torch.float64)
+    elif which == "flag_two_elements":
+        flag = torch.zeros(2)
+    else:
+        factor = torch.tensor(0.5, device="meta")
+    assert _gather.unscale_(opt, flag, factor) is None
+    assert _grads_of(opt)[0].eq(8.0).all()
+
+
+def test_the_one_call_unscale_steps_aside_for_modes_switches_and_torchs_kernel(gathered) -> None:
+    """A __torch_function__ mode, python_path() and torch_kernel(): None, nothing written."""
+    opt = _declined("plain")
+    flag, half = torch.zeros(()), torch.tensor(0.5)
+    with torch.overrides.TorchFunctionMode():
+        assert _gather.unscale_(opt, flag, half) is None
+    with _gather.python_path():
+        assert _gather.unscale_(opt, flag, half) is None
+    with _cpukernel.torch_kernel():
+        assert _gather.unscale_(opt, flag, half) is None
+    assert _grads_of(opt)[0].eq(8.0).all()
+    assert _gather.unscale_(opt, flag, half) is True
+    assert all(g.eq(4.0).all() for g in _grads_of(opt)) and flag.item() == 0.0
+
+
+def test_gradients_fresh_from_backward_are_taken_and_subclasses_are_not(gathered) -> None:
+    """Gradients the autograd engine made (no Python object yet) are taken without making
+    one; a gradient subclass is known by its Python object even after the caller dropped it."""
+    model = torch.nn.Linear(8, 3)
+    model(torch.randn(5, 8)).sum().backward()
+    want = [p.grad.clone() / 4 for p in model.parameters()]  # (this made Python objects)
+    model.zero_grad()
+    model(torch.randn(5, 8)).sum().backward()  # new gradients, made in C++
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert _gather.unscale_(opt, torch.zeros(()), torch.tensor(0.25)) is True
+    for p in model.parameters():
+        assert p.grad.isfinite().all()
+    model.weight.grad = torch.ones(3, 8).as_subclass(_MyTensor)  # only the parameter holds it
+    gc.collect()
+    assert type(model.weight.grad) is _MyTensor
+    assert _gather.unscale_(opt, torch.zeros(()), torch.tensor(0.25)) is None
+    del want
+
+
+def test_the_one_call_unscale_holds_no_reference(gathered) -> None:
+    """Reference counts of parameters and gradients are unchanged after many calls."""
+    opt = _optimizer([(k, torch.float32, i % 2) for i, k in enumerate(TAKEN)])
+    params = [p for g in opt.param_groups for p in g["params"]]
+    grads = _grads_of(opt)
+    one = torch.ones(())
+    gc.collect()
+    before = [sys.getrefcount(t) for t in params + grads]
+    for _ in range(200):
+        assert _gather.unscale_(opt, torch.zeros(()), one) is True
+    gc.collect()
+    assert [sys.getrefcount(t) for t in params + grads] == before
+
+
+def test_no_gradient_at_all_is_nothing_to_do(gathered) -> None:
+    """No parameter has a gradient: False, and unscale_grads_ gives no flags (as the Python
+    path: a rank holding no shard)."""
+    from shardscale._grads import unscale_grads_
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
+    assert _gather.unscale_(opt, torch.zeros(()), torch.tensor(0.5)) is False
+    assert unscale_grads_(opt, torch.tensor(0.5)) == {}
