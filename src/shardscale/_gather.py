@@ -8,6 +8,12 @@ API, for ~2 us per parameter. It handles the common case only (every parameter a
 ``nn.Parameter``, listed once, its gradient None or a plain dense CPU tensor of a dtype the
 kernel has a path for) and answers None for anything else: the Python path then runs as before.
 
+For the commonest case (one dtype, every gradient dense and aligned, so the kernel takes them
+all) :func:`unscale_` goes further: the same C++ call runs the kernel (``_cpukernel.c``'s
+``shardscale_unscale_packed``, by address) on what it gathered, so a CPU ``unscale_`` is one
+call from the optimizer's param groups to the found-inf flag, with no Python objects made for
+the gradients (it reads whether a gradient has a Python subclass object without creating one).
+
 It is built at first use against the installed torch's headers (``$CXX``, else ``c++``/``g++``/
 ``clang++``; ~15-25 s, once per torch version) and cached beside the CPU kernel
 (:mod:`shardscale._cpukernel`, same directories and checks). Where it cannot be built (no C++
