@@ -136,9 +136,7 @@ def launch(cfg: TrainConfig, worker_argv: list[str]) -> int:
     )
     os.environ["SHARDSCALE_TRAIN_LAUNCHER"] = "1"
     if cfg.device == "cpu":  # build the compiled CPU parts here once (cached), not in every rank
-        from .. import _gather
-
-        _gather.status()
+        _build_cpu_parts()
     try:
         elastic_launch(config, sys.executable)("-m", WORKER_MODULE, *worker_argv)
         return 0
@@ -187,6 +185,31 @@ def _root_cause(err: object) -> tuple[str, int]:
 
 def _warn(message: str) -> None:
     print(PREFIX.replace("error", "warning") + one_line(message), file=sys.stderr, flush=True)
+
+
+def _build_cpu_parts(notice_after: float = 2.0) -> None:
+    """Build (or load from the cache) the compiled CPU kernel and gathering; a build that takes
+    longer than ``notice_after`` seconds (the first run for a torch version: ~15-25 s) says what
+    the pause is, on stderr."""
+    import threading
+
+    from .. import _gather
+
+    notice = threading.Timer(
+        notice_after,
+        lambda: print(
+            "shardscale train: building shardscale's compiled CPU parts (once per torch "
+            "version, cached) ...",
+            file=sys.stderr,
+            flush=True,
+        ),
+    )
+    notice.daemon = True
+    notice.start()
+    try:
+        _gather.status()
+    finally:
+        notice.cancel()
 
 
 def _error(message: str, code: int) -> int:
