@@ -70,6 +70,7 @@ def _spec() -> _cpukernel.LibSpec:
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     flags = (
         "-O2",
+        "-DNDEBUG",  # as torch is built: its headers' debug-only checks stay out
         "-std=c++20",
         "-shared",
         "-fPIC",
