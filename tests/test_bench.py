@@ -106,3 +106,16 @@ def test_paired_ratio_is_the_median_of_same_round_ratios():
     assert bench.paired_ratio(ours, ref) == 2.0
     assert bench.paired_ratio(ref, ref) == 1.0
     assert bench.paired_ratio(ours, bench.Contender("none", lambda: None)) is None
+
+
+def test_the_profiler_chatter_is_held_back_and_other_stderr_passed_on(capfd) -> None:
+    """The memory rows' profiler writes "USDT:... profiler_start/stop" lines to fd 2: held back;
+    anything else written to fd 2 meanwhile comes out after the block."""
+    import os
+
+    with bench._without_profiler_chatter():
+        os.write(2, b"USDT:2026 x SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+        os.write(2, b"a real warning\n")
+    assert bench._largest_allocation(lambda: torch.zeros(1000), torch.device("cpu")) >= 4000
+    err = capfd.readouterr().err
+    assert "USDT" not in err and err.count("a real warning") == 1

@@ -600,6 +600,33 @@ def count_per_iteration(device: torch.device, pg: Any) -> list[Row]:
 
 
 # ------------------------------------------------------------------------------- memory
+@contextlib.contextmanager
+def _without_profiler_chatter() -> Iterator[None]:
+    """Hold back the ``USDT:... profiler_start``/``profiler_stop`` lines that torch's profiler
+    (kineto) writes to the process's stderr (file descriptor 2) at every start and stop; any
+    other line written there meanwhile is passed on when the block ends."""
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no file descriptor 2: nothing to hold back
+        yield
+        return
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            lines = held.read().decode(errors="replace").splitlines(keepends=True)
+            rest = "".join(line for line in lines if not line.startswith("USDT:"))
+            if rest:
+                sys.stderr.write(rest)
+                sys.stderr.flush()
+
+
 def _largest_allocation(fn: Callable[[], Any], device: torch.device) -> int:
     """Bytes of the largest memory allocated by ``fn`` above what existed before."""
     if device.type == "cuda":
@@ -614,6 +641,7 @@ def _largest_allocation(fn: Callable[[], Any], device: torch.device) -> int:
     with (
         open(os.devnull, "w") as devnull,
         contextlib.redirect_stdout(devnull),
+        _without_profiler_chatter(),
         profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof,
     ):
         fn()
