@@ -29,6 +29,7 @@ import torch.distributed as dist
 from . import _cpukernel, _sync
 from ._grads import grad_values, iter_params, plain_grad, require_writable
 from ._norm import Buckets as _Buckets
+from ._norm import _cpu_f32, _f32, global_norm_host, on_host
 from ._norm import global_norm as _global_norm
 
 try:
@@ -171,18 +172,15 @@ def clip_grad_norm_(
             "scaler.step(opt) -> scaler.update()."
         )
     assert scaler._state is not None
-    scale = scaler._state.scale
-    home = scale.device
-    inv_scale = scaler._inv_scale()
+    fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
     try:
-        total, found_inf = _global_norm(buckets, p, inv_scale, home, group)
+        total, st.grad_scale, found_inf = _norm_and_clip(
+            buckets, scaler._state.scale, scaler._inv_scale(), p, max_norm_f, group, fused
+        )
     except BaseException:
         if st.stage is OptState.READY and st.found_inf is None:  # no half-started iteration
             scaler._per_optimizer.pop(id(optimizer), None)
         raise
-    coef = _clip_coef(total, max_norm_f)
-    fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
-    st.grad_scale, found_inf = _unscale_and_clip(buckets, scale, inv_scale, coef, found_inf, fused)
     st.found_inf = found_inf
     st.stage = OptState.UNSCALED
     return total
@@ -331,11 +329,9 @@ def _clip_params(
                     "that owns these parameters; clip before: scaler.scale(loss).backward() -> "
                     "scaler.clip_grad_norm_(params, max_norm) -> scaler.step(opt)."
                 )
-    inv_scale = scaler._inv_scale()
-    total, found_inf = _global_norm(buckets, p, inv_scale, scaler._state.scale.device, group)
-    coef = _clip_coef(total, max_norm)
-    scale = scaler._state.scale
-    _, found_inf = _unscale_and_clip(buckets, scale, inv_scale, coef, found_inf, fused=False)
+    total, _, found_inf = _norm_and_clip(
+        buckets, scaler._state.scale, scaler._inv_scale(), p, max_norm, group, fused=False
+    )
     for q in params:
         scaler._pre_unscaled[id(q)] = found_inf
     return total
@@ -387,9 +383,60 @@ def _clip_unscaled(
     return total
 
 
+def _norm_and_clip(
+    buckets: _Buckets,
+    scale: torch.Tensor,
+    inv_scale: torch.Tensor,
+    p: float,
+    max_norm: float,
+    group: dist.ProcessGroup | None,
+    fused: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The global norm, then the unscale and clip (or their fold into a fused optimizer's
+    ``grad_scale``): ``(total norm, grad_scale or None, agreed found_inf)``.
+
+    When the scale and every gradient are on the CPU, the scalar arithmetic between the read
+    pass and the write pass (the norm's total, the clip coefficient, the folded factor) runs
+    on Python floats (:func:`_clip_coef_host`, :func:`_unscale_and_clip_host`: the same float32
+    results as the tensor operations, without their ~20 cold dispatches); else tensor operations
+    on the scale's device, with no host synchronisation."""
+    if on_host(buckets, scale.device):
+        total, found = global_norm_host(buckets, p, inv_scale, group)
+        coef = _clip_coef_host(total, max_norm)
+        grad_scale, found_inf = _unscale_and_clip_host(
+            buckets, scale, inv_scale, coef, found, fused
+        )
+        return _cpu_f32(total), grad_scale, found_inf
+    total, found_inf = _global_norm(buckets, p, inv_scale, scale.device, group)
+    coef = _clip_coef(total, max_norm)
+    grad_scale, found_inf = _unscale_and_clip(buckets, scale, inv_scale, coef, found_inf, fused)
+    return total, grad_scale, found_inf
+
+
 def _clip_coef(total: torch.Tensor, max_norm: float) -> torch.Tensor:
     """``min(1, max_norm / (total + 1e-6))`` as torch.nn.utils.clip_grad_norm_ (0-d float32)."""
     return (max_norm / (total + _EPS)).clamp(max=1.0)
+
+
+def _div(a: float, b: float) -> float:
+    """``a / b`` rounded to float32 for float32 ``a`` and ``b``, with IEEE division by zero
+    (inf, or NaN for 0/0), as a float32 tensor division gives. (A float64 quotient rounded to
+    float32 is the float32 quotient: for + - * / double rounding through float64 is innocuous.)"""
+    try:
+        return _f32(a / b)
+    except ZeroDivisionError:
+        if a == 0.0 or math.isnan(a):
+            return math.nan
+        return math.copysign(math.inf, a) * math.copysign(1.0, b)
+
+
+def _clip_coef_host(total: float, max_norm: float) -> float:
+    """:func:`_clip_coef` on Python floats, the same float32 result: ``total + 1e-6`` in float32,
+    then ``max_norm / x`` as torch computes a number divided by a tensor (``x.reciprocal() *
+    max_norm``), then ``min(1, .)`` keeping NaN (``clamp``)."""
+    x = _f32(total + _f32(_EPS))
+    coef = _f32(_div(1.0, x) * _f32(max_norm))
+    return coef if math.isnan(coef) else min(coef, 1.0)
 
 
 #: ``scale / clip_coef`` from here on makes ``coef / scale`` subnormal in fp32 (or 0, or the
@@ -419,25 +466,53 @@ def _unscale_and_clip(
     torch's recipe); on a device, where reading would be a host sync, the step is taken as an
     overflow (skipped, the scale backs off).
     """
+    if host_reads is None:
+        host_reads = scale.device.type == "cpu"
+    if host_reads:
+        return _unscale_and_clip_host(
+            buckets, scale, inv_scale, float(coef), float(found_inf), fused
+        )
     overflow = found_inf > 0
     folded = torch.where(overflow, scale, scale / coef).float()
     # also inf; but coef == 0 (max_norm=0) is fine: the gradients are zeroed exactly (a factor
     # of 0, or a fused grad_scale of inf, which divides finite gradients to 0)
     too_big = ~(folded < _FOLD_LIMIT) & (coef != 0)
-    if host_reads is None:
-        host_reads = scale.device.type == "cpu"
     with torch.no_grad():
-        if not host_reads:  # no host sync: an unfoldable clip is taken as an overflow
-            found_inf = torch.maximum(found_inf, too_big.float())
-            overflow = found_inf > 0
-            folded = torch.where(overflow, scale, folded)
-        elif bool(too_big):  # unscale, then clip: two exact passes
-            _mul_all(buckets, inv_scale)
-            _mul_all(buckets, torch.where(overflow, torch.ones_like(coef), coef))
-            return None, found_inf
+        # no host sync: an unfoldable clip is taken as an overflow
+        found_inf = torch.maximum(found_inf, too_big.float())
+        overflow = found_inf > 0
+        folded = torch.where(overflow, scale, folded)
         if fused:
             return folded, found_inf
         _mul_all(buckets, torch.where(overflow, inv_scale, coef * inv_scale))
+        return None, found_inf
+
+
+def _unscale_and_clip_host(
+    buckets: _Buckets,
+    scale: torch.Tensor,
+    inv_scale: torch.Tensor,
+    coef: float,
+    found: float,
+    fused: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """:func:`_unscale_and_clip`'s host branch (a CPU scale: its value is read for free) with
+    the other scalars as Python floats holding float32 values (``coef``; ``found``: 1.0 or
+    0.0): the same float32 factors as the tensor operations, the same writes. Past
+    ``_FOLD_LIMIT`` the gradients get two exact write passes (``1/scale``, then ``coef``)."""
+    overflow = found > 0
+    folded = float(scale) if overflow else _div(float(scale), coef)
+    too_big = not folded < _FOLD_LIMIT and coef != 0
+    found_inf = _cpu_f32(found)
+    with torch.no_grad():
+        if too_big:  # unscale, then clip: two exact passes
+            _mul_all(buckets, inv_scale)
+            _mul_all(buckets, _cpu_f32(1.0 if overflow else coef))
+            return None, found_inf
+        if fused:
+            return _cpu_f32(folded), found_inf
+        factor = inv_scale if overflow else _cpu_f32(_f32(coef * float(inv_scale)))
+        _mul_all(buckets, factor)
         return None, found_inf
 
 

@@ -615,6 +615,10 @@ def foreach_unscale_(
         unscale_batch_(_flat(grads, grads[0].dtype, writes=True), found_inf, inv_scale)
 
 
+#: The found-inf flag of a multiply: written (by any thread), never read
+_IGNORED_FLAG = torch.zeros((), dtype=torch.float32, device="cpu")
+
+
 def foreach_mul_(grads: list[torch.Tensor], factor: torch.Tensor) -> None:
     """``torch._foreach_mul_(grads, factor)`` for CPU tensors and a 0-d float32 CPU ``factor``,
     through the compiled kernel where possible: the same bits (each element widened to float32,
@@ -623,7 +627,7 @@ def foreach_mul_(grads: list[torch.Tensor], factor: torch.Tensor) -> None:
     if not grads:
         return
     batch = _flat(grads, grads[0].dtype, writes=True)
-    taken, rest = _unscale(batch, torch.zeros((), dtype=torch.float32, device="cpu"), factor)
+    taken, rest = _unscale(batch, _IGNORED_FLAG, factor)
     if taken:
         try:
             torch.autograd.graph.increment_version(taken)

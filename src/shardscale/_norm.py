@@ -160,9 +160,15 @@ def global_norm(
 
     One all-reduce of ``[sharded, replicated (rank 0 only), nonfinite]`` over ``group``.
     """
-    if home.type == "cpu" and all(device.type == "cpu" for device, _, _ in buckets):
+    if on_host(buckets, home):
         return _global_norm_cpu(buckets, p, inv_scale, group)
     return _global_norm_device(buckets, p, inv_scale, home, group)
+
+
+def on_host(buckets: _Buckets, home: torch.device) -> bool:
+    """Whether the scale (on ``home``) and every gradient are on the CPU: then the norm's
+    float32 arithmetic runs on Python floats (:func:`global_norm_host`)."""
+    return home.type == "cpu" and all(device.type == "cpu" for device, _, _ in buckets)
 
 
 def _global_norm_device(
@@ -227,10 +233,22 @@ def _global_norm_cpu(
     inv_scale: torch.Tensor | None,
     group: dist.ProcessGroup | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`global_norm` when the gradients and the scale are on the CPU: the same float32
-    arithmetic, step for step, on Python floats (reading a CPU tensor costs no device sync), so
-    the ~20 tiny tensor operations of the device path become 3 (the pieces, the all-reduce and
-    the two results)."""
+    """:func:`global_norm` when the gradients and the scale are on the CPU:
+    :func:`global_norm_host`'s two floats as 0-d float32 CPU tensors."""
+    total, found = global_norm_host(buckets, p, inv_scale, group)
+    return _cpu_f32(total), _cpu_f32(found)
+
+
+def global_norm_host(
+    buckets: _Buckets,
+    p: float,
+    inv_scale: torch.Tensor | None,
+    group: dist.ProcessGroup | None,
+) -> tuple[float, float]:
+    """The total norm and the agreed found-inf flag (1.0 or 0.0) of CPU gradients, as Python
+    floats holding float32 values: :func:`global_norm`'s float32 arithmetic, step for step, on
+    Python floats (reading a CPU tensor costs no device sync), so the ~20 tiny tensor
+    operations of the device path become 3 (the pieces, the all-reduce and the root)."""
     is_inf = math.isinf(p)
     parts = {True: 0.0, False: 0.0}
     for (_, dtype, sharded), grads in buckets.items():
@@ -257,4 +275,4 @@ def _global_norm_cpu(
     if flagged and math.isfinite(total):
         total = math.inf  # see _global_norm_device
     found = 1.0 if flagged or not math.isfinite(total) else 0.0
-    return _cpu_f32(total), _cpu_f32(found)
+    return total, found

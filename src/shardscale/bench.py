@@ -72,8 +72,9 @@ _CPU_ONLY_READS = frozenset(
         "check_agreement",
         "step_in_place",
         "_cpu_norms",
-        "_global_norm_cpu",
-        "_unscale_and_clip",  # its only read is on the CPU branch
+        "global_norm_host",
+        "_unscale_and_clip",  # its only reads are on the CPU branch
+        "_unscale_and_clip_host",
         "_amp_update_scale_cpu_",
     }
 )
