@@ -494,3 +494,25 @@ def test_no_gradient_at_all_is_nothing_to_do(gathered) -> None:
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
     assert _gather.unscale_(opt, torch.zeros(()), torch.tensor(0.5)) is False
     assert unscale_grads_(opt, torch.tensor(0.5)) == {}
+
+
+def test_shardscale_build_says_what_is_in_use(monkeypatch, capsys) -> None:
+    """`shardscale build`: builds/loads both compiled parts and says so (exit 0); a part that
+    is off is named with the reason (exit 1)."""
+    from shardscale.cli import main as cli_main
+
+    if not (_cpukernel.status().available and _gather.status()[0]):
+        pytest.skip("compiled CPU parts unavailable here")
+    assert cli_main(["build"]) == 0
+    out = capsys.readouterr().out
+    assert "CPU kernel: in use for float32" in out and "gathering: in use" in out
+    try:
+        monkeypatch.setenv(_gather.ENV, "0")
+        _gather.reset()
+        assert cli_main(["build"]) == 1
+        assert f"gathering: not in use ({_gather.ENV}=0)" in capsys.readouterr().out
+    finally:
+        monkeypatch.undo()
+        _gather.reset()
+        _gather.status()
+    assert cli_main(["build", "--what"]) == 2  # no options
