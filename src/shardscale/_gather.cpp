@@ -11,7 +11,12 @@
 // dtype the kernel has a path for, any error): the caller then runs the Python path, which
 // handles and validates every case. Reading param.grad here skips Python's attribute getter,
 // which differs from it only under a __torch_function__ mode: the caller checks there is none.
-// Called through ctypes.PyDLL: the GIL is held throughout.
+//
+// shardscale_gather_unscale goes one step further for the commonest case (one dtype, every
+// gradient dense and aligned): it gathers and then runs the compiled unscale kernel itself
+// (by address, with the GIL released while it runs), so a CPU unscale_ is one call.
+//
+// Called through ctypes.PyDLL: the GIL is held (but around that kernel).
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <ATen/Parallel.h>
