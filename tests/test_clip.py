@@ -959,8 +959,9 @@ def test_host_clip_coefficient_is_the_tensor_ops_bitwise():
 
 
 def test_host_unscale_and_clip_is_the_device_branch_bitwise():
-    """Within float32's range (scale / coef < 2**126) the host branch (Python floats) and the
-    device branch (tensor ops) give the same grad_scale, found_inf and gradient bits."""
+    """Within float32's range (scale / coef < 2**126), and after any overflow whatever the
+    scale, the host branch (Python floats) and the device branch (tensor ops) give the same
+    grad_scale, found_inf and gradient bits."""
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
@@ -968,7 +969,7 @@ def test_host_unscale_and_clip_is_the_device_branch_bitwise():
 
     @settings(max_examples=200, deadline=None, derandomize=True)
     @given(
-        log2_scale=st.integers(-24, 100),
+        log2_scale=st.integers(-24, 127),
         coef=st.floats(width=32, min_value=0.0, max_value=1.0),
         found=st.sampled_from([0.0, 1.0]),
         fused=st.booleans(),
@@ -998,3 +999,33 @@ def test_host_unscale_and_clip_is_the_device_branch_bitwise():
         )
 
     check()
+
+
+@pytest.mark.parametrize("host", [True, False])
+@pytest.mark.parametrize("p", [1.0, math.inf])
+def test_max_norm_inf_never_clips_even_with_flush_denormal(host, p):
+    """max_norm=inf: the coefficient is exactly 1. Under torch.set_flush_denormal(True) torch's
+    ``reciprocal() * inf`` turns a finite total above ~8.5e37 into NaN (the trial's find: NaN
+    parameters, no skip); here the gradients are only unscaled and the step is taken."""
+    from shardscale._clip import _norm_and_clip, _unscale_and_clip
+
+    before = torch.set_flush_denormal(True)
+    try:
+        g = torch.full((2,), 1e38)
+        buckets = {(torch.device("cpu"), torch.float32, False): [g]}
+        one = torch.ones(())
+        if host:
+            total, gs, flag = _norm_and_clip(buckets, one, one, p, math.inf, None, fused=False)
+        else:
+            from shardscale._norm import _global_norm_device
+
+            total, flag = _global_norm_device(buckets, p, one, torch.device("cpu"), None)
+            from shardscale._clip import _clip_coef
+
+            coef = _clip_coef(total, math.inf)
+            gs, flag = _unscale_and_clip(buckets, one, one, coef, flag, False, host_reads=False)
+        assert math.isfinite(total.item()) and total.item() > 8.5e37
+        assert flag.item() == 0.0 and gs is None
+        assert torch.equal(g, torch.full((2,), 1e38))  # unscaled by 1, not clipped
+    finally:
+        torch.set_flush_denormal(before)

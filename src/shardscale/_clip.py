@@ -414,7 +414,11 @@ def _norm_and_clip(
 
 
 def _clip_coef(total: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """``min(1, max_norm / (total + 1e-6))`` as torch.nn.utils.clip_grad_norm_ (0-d float32)."""
+    """``min(1, max_norm / (total + 1e-6))`` as torch.nn.utils.clip_grad_norm_ (0-d float32);
+    exactly 1 for ``max_norm=inf`` (no clipping), where torch's ``reciprocal() * inf`` gives
+    NaN for a total above ~8.5e37 under ``torch.set_flush_denormal(True)``."""
+    if math.isinf(max_norm):
+        return torch.ones_like(total)
     return (max_norm / (total + _EPS)).clamp(max=1.0)
 
 
@@ -434,6 +438,8 @@ def _clip_coef_host(total: float, max_norm: float) -> float:
     """:func:`_clip_coef` on Python floats, the same float32 result: ``total + 1e-6`` in float32,
     then ``max_norm / x`` as torch computes a number divided by a tensor (``x.reciprocal() *
     max_norm``), then ``min(1, .)`` keeping NaN (``clamp``)."""
+    if math.isinf(max_norm):
+        return 1.0  # as _clip_coef
     x = _f32(total + _f32(_EPS))
     coef = _f32(_div(1.0, x) * _f32(max_norm))
     return coef if math.isnan(coef) else min(coef, 1.0)
@@ -502,7 +508,8 @@ def _unscale_and_clip_host(
     ``_FOLD_LIMIT`` the gradients get two exact write passes (``1/scale``, then ``coef``)."""
     overflow = found > 0
     folded = float(scale) if overflow else _div(float(scale), coef)
-    too_big = not folded < _FOLD_LIMIT and coef != 0
+    # (after an overflow the step is skipped: only unscale, as the device branch does)
+    too_big = not overflow and not folded < _FOLD_LIMIT and coef != 0
     found_inf = _cpu_f32(found)
     with torch.no_grad():
         if too_big:  # unscale, then clip: two exact passes
