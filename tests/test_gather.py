@@ -516,3 +516,6 @@ def test_shardscale_build_says_what_is_in_use(monkeypatch, capsys) -> None:
         _gather.reset()
         _gather.status()
     assert cli_main(["build", "--what"]) == 2  # no options
+    assert (
+        cli_main(["build", "--help"]) == 0 and "usage: shardscale build" in capsys.readouterr().out
+    )

@@ -14,12 +14,45 @@ USAGE = """usage: shardscale {train,bench,build} [options]
 """
 
 
+BUILD_USAGE = """usage: shardscale build
+
+Compile shardscale's CPU kernel and C++ gradient gathering for this torch (or load them from
+the cache) and say whether each is in use. Exit 0 when both are, 1 otherwise (shardscale then
+uses torch's kernel and the Python path: same results, slower).
+"""
+
+
+def build_cpu_parts(who: str, notice_after: float = 2.0) -> None:
+    """Build (or load from the cache) the compiled CPU kernel and gathering; a build that takes
+    longer than ``notice_after`` seconds (the first run for a torch version: ~15-25 s) says what
+    the pause is on stderr, prefixed with ``who`` (e.g. ``"shardscale train"``)."""
+    import threading
+
+    from . import _gather
+
+    notice = threading.Timer(
+        notice_after,
+        lambda: print(
+            f"{who}: building shardscale's compiled CPU parts (once per torch version, cached) ...",
+            file=sys.stderr,
+            flush=True,
+        ),
+    )
+    notice.daemon = True
+    notice.start()
+    try:
+        _gather.status()  # builds the kernel first
+    finally:
+        notice.cancel()
+
+
 def build() -> int:
     """``shardscale build``: build (or load from the cache) the compiled CPU parts and print
     whether each is in use and why not. Returns 0 when both are, else 1 (shardscale still runs
     without them, on torch's kernel and the Python path)."""
     from . import _cpukernel, _gather
 
+    build_cpu_parts("shardscale build")
     kernel = _cpukernel.status()
     names = ", ".join(str(d).removeprefix("torch.") for d in kernel.dtypes)
     print(
@@ -51,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(rest)
     if command == "build":
+        if rest in (["-h"], ["--help"]):
+            print(BUILD_USAGE, end="")
+            return 0
         if rest:
             print(f"shardscale build: error: it takes no options, got {rest}", file=sys.stderr)
             return 2

@@ -188,28 +188,10 @@ def _warn(message: str) -> None:
 
 
 def _build_cpu_parts(notice_after: float = 2.0) -> None:
-    """Build (or load from the cache) the compiled CPU kernel and gathering; a build that takes
-    longer than ``notice_after`` seconds (the first run for a torch version: ~15-25 s) says what
-    the pause is, on stderr."""
-    import threading
+    """The compiled CPU parts, built here once (:func:`shardscale.cli.build_cpu_parts`)."""
+    from ..cli import build_cpu_parts
 
-    from .. import _gather
-
-    notice = threading.Timer(
-        notice_after,
-        lambda: print(
-            "shardscale train: building shardscale's compiled CPU parts (once per torch "
-            "version, cached) ...",
-            file=sys.stderr,
-            flush=True,
-        ),
-    )
-    notice.daemon = True
-    notice.start()
-    try:
-        _gather.status()
-    finally:
-        notice.cancel()
+    build_cpu_parts("shardscale train", notice_after)
 
 
 def _error(message: str, code: int) -> int:
