@@ -519,3 +519,21 @@ def test_shardscale_build_says_what_is_in_use(monkeypatch, capsys) -> None:
     assert (
         cli_main(["build", "--help"]) == 0 and "usage: shardscale build" in capsys.readouterr().out
     )
+
+
+def test_shardscale_build_reports_a_bad_kernel_setting(monkeypatch, capsys) -> None:
+    """A bad SHARDSCALE_CPU_KERNEL value: one error line naming the fix, exit 1, no traceback."""
+    from shardscale.cli import main as cli_main
+
+    try:
+        monkeypatch.setenv("SHARDSCALE_CPU_KERNEL", "bogus")
+        _cpukernel.reset()
+        _gather.reset()
+        assert cli_main(["build"]) == 1
+        err = capsys.readouterr().err
+        assert "error: SHARDSCALE_CPU_KERNEL='bogus'" in err and "'auto'" in err
+    finally:
+        monkeypatch.undo()
+        _cpukernel.reset()
+        _gather.reset()
+        _gather.status()

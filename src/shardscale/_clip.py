@@ -514,7 +514,7 @@ def _unscale_and_clip_host(
     with torch.no_grad():
         if too_big:  # unscale, then clip: two exact passes
             _mul_all(buckets, inv_scale)
-            _mul_all(buckets, _cpu_f32(1.0 if overflow else coef))
+            _mul_all(buckets, _cpu_f32(coef))
             return None, found_inf
         if fused:
             return _cpu_f32(folded), found_inf

@@ -52,8 +52,12 @@ def build() -> int:
     without them, on torch's kernel and the Python path)."""
     from . import _cpukernel, _gather
 
-    build_cpu_parts("shardscale build")
-    kernel = _cpukernel.status()
+    try:
+        build_cpu_parts("shardscale build")
+        kernel = _cpukernel.status()
+    except (_cpukernel.CpuKernelError, ValueError) as e:  # SHARDSCALE_CPU_KERNEL=1 or a bad value
+        print(f"shardscale build: error: {e}", file=sys.stderr)
+        return 1
     names = ", ".join(str(d).removeprefix("torch.") for d in kernel.dtypes)
     print(
         "shardscale build: CPU kernel: "
