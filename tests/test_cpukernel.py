@@ -813,3 +813,18 @@ def test_a_nan_factor_gives_nan_whatever_its_payload(loops, dtype) -> None:
         muls = [torch.ones(1000, dtype=dtype)]
         _cpukernel.foreach_mul_(muls, factor)
         assert bool(muls[0].float().isnan().all()), hex(bits)
+
+
+def test_a_build_is_logged_and_a_cached_load_is_not(fresh, caplog) -> None:
+    """Compiling says so at INFO on the shardscale logger (the pause has a name); loading the
+    cached library logs nothing."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="shardscale"):
+        if not _cpukernel.status().available:
+            pytest.skip("compiled CPU kernel unavailable here")
+        assert "compiling _cpukernel.c into" in caplog.text
+        caplog.clear()
+        _cpukernel.reset()
+        assert _cpukernel.status().available
+        assert "compiling" not in caplog.text

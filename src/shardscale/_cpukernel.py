@@ -326,6 +326,11 @@ def _build_and_load(spec: LibSpec = KERNEL) -> tuple[Path, ctypes.CDLL]:
             problems.append(f"{cache}: {e}")
             continue
         try:
+            logger.info(
+                "shardscale: compiling %s into %s (once per version, then cached)",
+                spec.source.name,
+                cache,
+            )
             _compile(cc, tmp, spec)
             try:
                 loaded = load(tmp)
