@@ -108,13 +108,25 @@ bool listed_once(const std::vector<PyObject*>& params) {
   return std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end();
 }
 
+// The address of a gradient the kernel takes (dense: contiguous, or channels-last 2d/3d; and
+// aligned to its element size), else 0 (torch's kernel takes it).
+int64_t kernel_address(const at::Tensor& grad, int code) {
+  static const int esize[kCodes] = {4, 2, 2};
+  int64_t dim = grad.dim();
+  bool dense = grad.is_contiguous() ||
+               (dim == 4 && grad.is_contiguous(c10::MemoryFormat::ChannelsLast)) ||
+               (dim == 5 && grad.is_contiguous(c10::MemoryFormat::ChannelsLast3d));
+  if (!dense) return 0;
+  auto ptr = reinterpret_cast<intptr_t>(grad.data_ptr());
+  return ptr % esize[code] == 0 ? static_cast<int64_t>(ptr) : 0;
+}
+
 // false: not the common case (the caller takes the Python path).
 bool gather(PyObject* groups, PyObject* param_type, PyObject* tensor_type, long long codes,
             long long small, long long small_cap, Bucket (&b)[kCodes], int* order, int* norder,
             Held& held) {
   if (!list_params(groups, param_type, held)) return false;
   const std::vector<PyObject*>& params = held.objs;
-  static const int esize[kCodes] = {4, 2, 2};
   for (PyObject* p : params) {
     const at::Tensor grad = THPVariable_Unpack(p).grad();  // held: see Held
     if (!grad.defined()) continue;
@@ -137,18 +149,12 @@ bool gather(PyObject* groups, PyObject* param_type, PyObject* tensor_type, long 
     }
     bool take = false;
     if (numel >= small || bk.small_left) {
-      int64_t dim = grad.dim();
-      bool dense = grad.is_contiguous() ||
-                   (dim == 4 && grad.is_contiguous(c10::MemoryFormat::ChannelsLast)) ||
-                   (dim == 5 && grad.is_contiguous(c10::MemoryFormat::ChannelsLast3d));
-      if (dense) {
-        auto ptr = reinterpret_cast<intptr_t>(grad.data_ptr());
-        take = ptr && ptr % esize[code] == 0;
-        if (take) {
-          if (numel < small && bk.small_left > 0) bk.small_left--;
-          bk.ptrs.push_back(static_cast<int64_t>(ptr));
-          bk.lens.push_back(numel);
-        }
+      int64_t ptr = kernel_address(grad, code);
+      take = ptr != 0;
+      if (take) {
+        if (numel < small && bk.small_left > 0) bk.small_left--;
+        bk.ptrs.push_back(ptr);
+        bk.lens.push_back(numel);
       }
     }
     (take ? bk.taken : bk.rest).push_back(obj);
@@ -255,7 +261,6 @@ int gather_unscale(PyObject* groups, PyObject* ctx, PyObject* found_inf, PyObjec
   if (PyErr_Occurred() || !kernel || !flag || !inv) return -1;
   Held held;
   if (!list_params(groups, param_type, held)) return -1;
-  static const int esize[kCodes] = {4, 2, 2};
   std::vector<at::Tensor> grads;  // held while the kernel runs
   std::vector<int64_t> ptrs, lens;
   int code = -1;
@@ -269,13 +274,9 @@ int gather_unscale(PyObject* groups, PyObject* ctx, PyObject* found_inf, PyObjec
     int64_t numel = grad.numel();
     if (numel == 0) continue;
     if (!plain_tensor(grad, tensor_type)) return -1;
-    int64_t dim = grad.dim();
-    bool dense = grad.is_contiguous() ||
-                 (dim == 4 && grad.is_contiguous(c10::MemoryFormat::ChannelsLast)) ||
-                 (dim == 5 && grad.is_contiguous(c10::MemoryFormat::ChannelsLast3d));
-    auto ptr = reinterpret_cast<intptr_t>(grad.data_ptr());
-    if (!dense || !ptr || ptr % esize[c]) return -1;  // torch's kernel takes those: Python path
-    ptrs.push_back(static_cast<int64_t>(ptr));
+    int64_t ptr = kernel_address(grad, c);
+    if (!ptr) return -1;  // torch's kernel takes it: the Python path
+    ptrs.push_back(ptr);
     lens.push_back(numel);
     grads.push_back(std::move(grad));
   }

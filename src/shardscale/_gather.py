@@ -152,6 +152,16 @@ def python_path() -> Iterator[None]:
         _off = before
 
 
+def _kernel(fn: Any) -> Any:
+    """``_cpukernel``'s loaded state when ``fn`` (a loaded C++ function) may run now, else None:
+    not loaded, turned off by :func:`python_path`, a ``__torch_function__`` mode active (it
+    could see ``param.grad``), or no compiled kernel."""
+    if not fn or _off or _mode_on is None or _mode_on():
+        return None
+    kernel = _cpukernel._loaded or _cpukernel._load()  # tests reload the kernel
+    return kernel if kernel[1] is not None else None
+
+
 def gather(optimizer: torch.optim.Optimizer) -> dict[torch.device, dict[torch.dtype, Any]] | None:
     """``optimizer``'s gradients bucketed as :func:`shardscale._grads.bucket_grads` would
     (``{cpu: {dtype: Batch}}``, ``{}`` when no parameter has a gradient), or None when this is
@@ -159,11 +169,10 @@ def gather(optimizer: torch.optim.Optimizer) -> dict[torch.device, dict[torch.dt
     that have CPU gradients) or not in use, or a ``__torch_function__`` mode is active (it
     could see ``param.grad``): then take the Python path."""
     fn = _fn  # loaded by status(), which bucket_grads calls once it has made a CPU bucket
-    if not fn or _off or _mode_on is None or _mode_on():
+    kernel = _kernel(fn)
+    if kernel is None:
         return None
-    _, fns, codes = _cpukernel._loaded or _cpukernel._load()  # tests reload the kernel
-    if fns is None:
-        return None
+    _, fns, codes = kernel
     mask = _masks.get(codes)
     if mask is None:
         mask = _masks[codes] = sum(1 << c for c in codes)
@@ -187,11 +196,10 @@ def unscale_(
     Returns True when done, False when no parameter has a gradient (nothing done), None when
     this is not that case (nothing written: take the Python path), as :func:`gather`."""
     fn = _unscale_fn
-    if not fn or _off or _mode_on is None or _mode_on() or _cpukernel._forced_torch:
+    kernel = _kernel(fn)
+    if kernel is None or _cpukernel._forced_torch:
         return None
-    _, fns, codes = _cpukernel._loaded or _cpukernel._load()
-    if fns is None:
-        return None
+    _, fns, codes = kernel
     global _unscale_ctx
     cached = _unscale_ctx
     if cached is None or cached[0] is not fns:  # (tests reload the kernel)
