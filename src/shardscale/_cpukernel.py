@@ -96,6 +96,7 @@ class LibSpec:
         key: further bytes the cache key depends on (e.g. torch's and Python's versions).
         loader: ``ctypes.PyDLL`` for functions called with the GIL held; None: ``ctypes.CDLL``
             (the GIL released during calls).
+        install: the compiler package to suggest when none is found.
     """
 
     prefix: str
@@ -105,6 +106,7 @@ class LibSpec:
     link: tuple[str, ...] = ()
     key: bytes = b""
     loader: Any = None
+    install: str = "gcc"
 
 
 #: The CPU kernel: plain C with OpenMP.
@@ -305,8 +307,9 @@ def _build_and_load(spec: LibSpec = KERNEL) -> tuple[Path, ctypes.CDLL]:
     """
     cc = _compiler(spec)
     if cc is None:
-        env, names = spec.compilers
-        raise CpuKernelError(f"no compiler found (set ${env}, or install {names[-2]})")
+        raise CpuKernelError(
+            f"no compiler found (set ${spec.compilers[0]}, or install {spec.install})"
+        )
     name = f"{spec.prefix}-{_key(cc, spec)}.so"
     load = spec.loader or ctypes.CDLL
     for cache in _usable_dirs():

@@ -90,6 +90,7 @@ def _spec() -> _cpukernel.LibSpec:
         link=link,
         key=key,
         loader=ctypes.PyDLL,
+        install="g++",
     )
 
 
