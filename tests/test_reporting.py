@@ -15,8 +15,7 @@ from torch.overrides import TorchFunctionMode
 
 import shardscale._report
 import shardscale.scaler
-from shardscale import OverflowReport, ScaleCollapseError, ShardedGradScaler
-from shardscale._policy import COUNTER_NAMES
+from shardscale import COUNTER_NAMES, OverflowReport, ScaleCollapseError, ShardedGradScaler
 
 INF = float("inf")
 NAN = float("nan")
@@ -460,83 +459,43 @@ def test_plain_bf16_training_writes_nan_into_params():
     assert torch.isnan(model.head.weight).any()
 
 
-# --------------------------------------------------------- collapse check on accelerators
-class _FakeEvent:
-    """Stands in for torch.Event on an accelerator; query() says whether it completed."""
+# ------------------------------------------------ collapse check without host reads (fused)
+@pytest.mark.parametrize("kind", ["adam_fused", "sgd_fused"])
+def test_fused_collapse_is_raised_at_the_next_alarm_read(kind):
+    """A fused step reads nothing on the host: the collapse flag is recorded on the device and
+    read every POLL_EVERY updates; the error names the step at which the scale collapsed."""
+    from shardscale.scaler import POLL_EVERY
 
-    made: list[_FakeEvent] = []
-
-    def __init__(self, device=None) -> None:
-        self.done = False
-        self.recorded = False
-        _FakeEvent.made.append(self)
-
-    def record(self) -> None:
-        self.recorded = True
-
-    def query(self) -> bool:
-        return self.done
-
-
-class _DeviceFlag:
-    """A 0-d bool flag that claims to live on an accelerator (only the calls used)."""
-
-    device = torch.device("cuda", 0)
-
-    def __init__(self, value: bool) -> None:
-        self.value = torch.tensor(value)
-        self.reads = 0
-
-    def to(self, device, non_blocking=False):
-        assert torch.device(device).type == "cpu" and non_blocking
-        return self.value.clone()
-
-    def cpu(self):
-        self.reads += 1
-        return self.value.clone()
-
-
-def _last_steps(n):
-    model, opt = make()
-    scaler = ShardedGradScaler("cpu", on_collapse="raise", param_names=model)
-    lasts = []
-    for i in range(n):
+    model, opt = make(kind)
+    scaler = ShardedGradScaler("cpu", max_consecutive_skips=3, param_names=model)
+    raised_at = None
+    for i in range(2 * POLL_EVERY):
         opt.zero_grad()
         backward(scaler, model, i, {"head.bias": INF})
         scaler.step(opt)
+        try:
+            scaler.update()
+        except ScaleCollapseError as e:
+            raised_at, error = i, e
+            break
+    assert raised_at == POLL_EVERY - 1  # the first read of the alarm
+    assert error.step == 2  # the third skip in a row
+    assert error.scale == 2.0**14 and "head.bias on rank 0" in str(error)
+    assert scaler.metrics()["steps"] == POLL_EVERY  # the update itself was applied
+
+
+def test_non_fused_collapse_is_raised_by_the_update_that_collapsed():
+    model, opt = make("sgd")
+    scaler = ShardedGradScaler("cpu", max_consecutive_skips=2)
+    for i in range(2):
+        opt.zero_grad()
+        backward(scaler, model, i, {"head.bias": INF})
+        scaler.step(opt)
+        if i == 0:
+            scaler.update()
+    with pytest.raises(ScaleCollapseError) as info:
         scaler.update()
-        lasts.append(scaler._last)
-    return scaler, lasts
-
-
-def test_deferred_collapse_check_raises_once_the_event_completed(monkeypatch):
-    scaler, (l0, l1, l2) = _last_steps(3)
-    monkeypatch.setattr(torch, "Event", _FakeEvent)
-    _FakeEvent.made = []
-    scaler._handle_collapse(_DeviceFlag(True), l0)  # collapsed, not known yet: no sync
-    assert len(scaler._pending_collapse) == 1 and _FakeEvent.made[0].recorded
-    scaler._handle_collapse(_DeviceFlag(False), l1)  # event 0 still running
-    assert len(scaler._pending_collapse) == 2
-    _FakeEvent.made[0].done = True
-    with pytest.raises(ScaleCollapseError) as info:
-        scaler._handle_collapse(_DeviceFlag(False), l2)
-    assert info.value.step == l0.index == 0
-    assert len(scaler._pending_collapse) == 2  # steps 1 and 2 still pending
-    _FakeEvent.made[1].done = _FakeEvent.made[2].done = True
-    scaler._handle_collapse(_DeviceFlag(False), l2)  # neither collapsed: no error
-    assert len(scaler._pending_collapse) == 1
-
-
-def test_collapse_check_without_event_support_reads_the_flag_now():
-    """On a CPU-only build torch.Event(device='cuda') raises RuntimeError: read at once."""
-    scaler, (l0,) = _last_steps(1)
-    flag = _DeviceFlag(True)
-    with pytest.raises(ScaleCollapseError) as info:
-        scaler._handle_collapse(flag, l0)
-    assert flag.reads == 1 and info.value.step == 0
-    assert scaler._pending_collapse == []
-    scaler._handle_collapse(_DeviceFlag(False), l0)
-    assert scaler._pending_collapse == []
+    assert info.value.step == 1
 
 
 def test_update_with_new_scale_still_counts_the_iteration():
@@ -616,10 +575,11 @@ def test_shallow_copy_keeps_names_and_old_pickles_load():
     shallow.step(opt)
     shallow.update()
     assert shallow.overflow_report().names == ["bias", "weight"]
-    # a scaler pickled by an older version: no rank_local_params, names as {id: name}
+    # a scaler pickled by shardscale 0.1: other private attributes, names as {id: name}
     state = scaler.__getstate__()
-    for key in ("rank_local_params", "_pre_unscaled", "_pending_collapse", "_skipped"):
-        del state[key]  # attributes older versions did not have
+    for key in ("rank_local_params", "_pre_unscaled", "_skipped", "_alarm", "_counters"):
+        del state[key]  # attributes 0.1 did not have
+    state.update(_state=None, _per_optimizer={}, _pending_collapse=[], _inv_cache=None)
     state["_names"] = {id(model.weight): "weight"}
     old = ShardedGradScaler.__new__(ShardedGradScaler)
     old.__setstate__(state)
@@ -629,6 +589,7 @@ def test_shallow_copy_keeps_names_and_old_pickles_load():
     old.clip_grad_norm_(opt, 1.0)
     old.step(opt)
     old.update()
+    assert old.metrics()["steps"] == 1
 
 
 def test_param_names_hold_no_reference_to_the_parameters():

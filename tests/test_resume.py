@@ -25,13 +25,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from _dist import run_ranks
+from _oracle import PyScaleState, reference_step
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
     set_state_dict,
 )
 
-from shardscale import PyScaleState, ScalerConfig, ShardedGradScaler, reference_step
+from shardscale import ScalerConfig, ShardedGradScaler
 
 N_STEPS = 9
 SAVE_AT = (3, 6)
@@ -231,7 +232,10 @@ def _iteration(model, opt, scaler, step: int, stop: str | None = None) -> None:
 
 
 def _stage(scaler: ShardedGradScaler) -> dict:
-    return {k: (v.stage, v.found_inf is None) for k, v in scaler._per_optimizer.items()}
+    return {
+        k: (v["stage"], not v["found_inf_per_device"])
+        for k, v in scaler._per_optimizer_states.items()
+    }
 
 
 @pytest.mark.parametrize("point", ["never_scaled", "scale", "unscale_", "step", "update"])

@@ -472,19 +472,3 @@ def test_a_new_history_moves_later_checkpoints_aside(tmp_path: Path) -> None:
     assert checkpoint.resolve(tmp_path).name == "step-000010.pt"
     assert checkpoint.supersede_after(tmp_path, 10) is None  # nothing later any more
     assert checkpoint.supersede_after(tmp_path / "fresh", 0) is None  # no checkpoints folder
-
-
-def test_a_slow_first_build_says_what_the_pause_is(monkeypatch, capsys) -> None:
-    """The launcher's build of the compiled CPU parts: a notice on stderr only when it takes
-    longer than the threshold (the first run per torch version), none from the cache."""
-    import time
-
-    from shardscale import _gather
-
-    monkeypatch.setattr(_gather, "status", lambda: time.sleep(0.5))
-    cli._build_cpu_parts(notice_after=0.05)
-    assert "building shardscale's compiled CPU parts" in capsys.readouterr().err
-    monkeypatch.setattr(_gather, "status", lambda: None)
-    cli._build_cpu_parts(notice_after=0.05)
-    time.sleep(0.1)
-    assert capsys.readouterr().err == ""

@@ -5,22 +5,23 @@
 """
 
 from ._config import ScalerConfig
-from ._policy import PyScaleState, ScaleState, next_state, reference_step
+from ._grads import SharedMemoryGradError
+from ._policy import COUNTER_NAMES, ScaleState, next_state
 from ._report import OverflowEntry, OverflowReport, ScaleCollapseError
 from .scaler import OptState, ShardedGradScaler
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "ShardedGradScaler",
     "OptState",
     "ScalerConfig",
     "ScaleCollapseError",
+    "SharedMemoryGradError",
     "OverflowReport",
     "OverflowEntry",
     "ScaleState",
-    "PyScaleState",
     "next_state",
-    "reference_step",
+    "COUNTER_NAMES",
     "__version__",
 ]

@@ -79,7 +79,7 @@ def check_growth_interval(value: object) -> int:
     return _check_int("growth_interval", value, 1)
 
 
-def _f32(x: float) -> float:
+def round_f32(x: float) -> float:
     """``x`` rounded to float32 (the scale tensor's dtype); ``x`` within float32's range."""
     return struct.unpack("f", struct.pack("f", x))[0]
 
@@ -91,7 +91,7 @@ def check_scale(name: str, value: object, min_scale: float, max_scale: float) ->
     v = _check_real(name, value)
     if v <= 0.0:
         raise ValueError(f"{name} must be > 0, got {v}.")
-    lo, hi = min(min_scale, _f32(min_scale)), max(max_scale, _f32(max_scale))
+    lo, hi = min(min_scale, round_f32(min_scale)), max(max_scale, round_f32(max_scale))
     if not lo <= v <= hi:
         raise ValueError(
             f"{name}={v} lies outside [min_scale, max_scale] = [{min_scale}, {max_scale}]; "

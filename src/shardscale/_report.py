@@ -11,11 +11,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from ._config import ScalerConfig
+from ._config import ScalerConfig, round_f32
 from ._grads import grad_values
-from ._policy import round_f32
 
 
 class ScaleCollapseError(RuntimeError):
@@ -219,22 +217,6 @@ def scan_local(
                         )
                     )
     return entries
-
-
-def gather_entries(
-    entries: list[OverflowEntry], groups: list[dist.ProcessGroup]
-) -> list[OverflowEntry]:
-    """All-gather the entries of every rank over each group (collective on every member)."""
-    merged = list(entries)
-    for group in groups:
-        out: list[list[OverflowEntry] | None] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(out, merged, group=group)
-        seen: dict[tuple[str, int], OverflowEntry] = {}
-        for part in out:
-            for e in part or []:
-                seen[(e.name, e.rank)] = e
-        merged = list(seen.values())
-    return sorted(merged, key=lambda e: (e.rank, e.name))
 
 
 def collapse_error(

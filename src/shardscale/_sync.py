@@ -1,8 +1,9 @@
-"""The one cross-rank reduction: agree on found_inf with a MAX all-reduce.
+"""Every collective of the scaler: the found-inf agreement, the norm's sum, the report's gather.
 
-Process groups are given explicitly (a ``ProcessGroup``, a ``DeviceMesh`` or a sequence of
+Process groups are given explicitly (a ``ProcessGroup``, a ``DeviceMesh``, or a sequence of
 them); ``None`` means the default group when ``torch.distributed`` is initialized at the time of
-the call, and no communication otherwise.
+the call, and no communication otherwise. Groups of one rank are left out: a single process
+issues no collective at all.
 """
 
 from __future__ import annotations
@@ -13,14 +14,16 @@ from typing import Any, Union
 import torch
 import torch.distributed as dist
 
+from ._grads import to_device
+
 try:
     from torch.distributed.device_mesh import DeviceMesh
-except ImportError:  # pragma: no cover
+except ImportError:  # pragma: no cover - torch built without distributed
     DeviceMesh = None  # type: ignore[assignment,misc]
 
 ProcessGroupLike = Union["dist.ProcessGroup", "DeviceMesh", Sequence[Any], None]
 
-# Backends whose collectives take tensors of these device types (the first is preferred).
+#: Device types each backend's collectives take (the first is preferred).
 _BACKEND_DEVICES = {
     "gloo": ("cpu",),
     "mpi": ("cpu",),
@@ -31,15 +34,16 @@ _BACKEND_DEVICES = {
 }
 
 
-_DISTRIBUTED = dist.is_available()
+def _is_mesh(obj: object) -> bool:
+    return DeviceMesh is not None and isinstance(obj, DeviceMesh)
 
 
 def _is_group(obj: object) -> bool:
-    return dist.is_available() and isinstance(obj, dist.ProcessGroup)
-
-
-def _is_mesh(obj: object) -> bool:
-    return DeviceMesh is not None and isinstance(obj, DeviceMesh)
+    """A ``ProcessGroup``, or an object that behaves as one (``rank()``, ``size()``,
+    ``allreduce()``: the dummy groups of torch's test utilities), as torch's scalers accept."""
+    if dist.is_available() and isinstance(obj, dist.ProcessGroup):
+        return True
+    return all(callable(getattr(obj, name, None)) for name in ("rank", "size", "allreduce"))
 
 
 def validate_process_group(process_group: object) -> None:
@@ -48,7 +52,7 @@ def validate_process_group(process_group: object) -> None:
     Raises:
         TypeError: not None, a ProcessGroup, a DeviceMesh, or a non-empty list/tuple of those.
     """
-    if process_group is None or _is_group(process_group) or _is_mesh(process_group):
+    if process_group is None or _is_mesh(process_group) or _is_group(process_group):
         return
     if isinstance(process_group, (list, tuple)) and process_group:
         for item in process_group:
@@ -64,130 +68,124 @@ def validate_process_group(process_group: object) -> None:
     )
 
 
-def default_group() -> dist.ProcessGroup | None:
-    """The default process group (``dist.group.WORLD``), or None when ``torch.distributed`` is
-    not initialized."""
-    return dist.group.WORLD if _DISTRIBUTED else None  # None until init_process_group
-
-
-def resolve_groups(process_group: ProcessGroupLike) -> list[dist.ProcessGroup]:
-    """The process groups to all-reduce over, with groups of size 1 left out.
-
-    A DeviceMesh contributes one group per mesh dimension (MAX over each dimension in turn is
-    the MAX over the whole mesh).
-    """
+def resolve_groups(process_group: ProcessGroupLike) -> list[Any]:
+    """The process groups to reduce over, groups of one rank left out. A DeviceMesh gives one
+    group per mesh dimension (MAX or SUM over each dimension in turn covers the whole mesh)."""
     if process_group is None:
-        world = default_group()
-        if world is None:
+        if not (dist.is_available() and dist.is_initialized()):
             return []
-        items: list[Any] = [world]
+        items: list[Any] = [dist.group.WORLD]
     elif isinstance(process_group, (list, tuple)):
         items = list(process_group)
     else:
         items = [process_group]
-    groups: list[dist.ProcessGroup] = []
+    groups: list[Any] = []
     for item in items:
-        if _is_mesh(item):
-            groups.extend(item.get_all_groups())
-        else:
-            groups.append(item)
-    return [g for g in groups if dist.get_world_size(g) > 1]
+        groups.extend(item.get_all_groups() if _is_mesh(item) else [item])
+    return [g for g in groups if g.size() > 1]
 
 
-def comm_device(group: dist.ProcessGroup, preferred: torch.device) -> torch.device:
-    """The device a flag must be on for ``group``'s backend (CPU for gloo, CUDA for NCCL).
-
-    ``preferred`` (the scale's device) wins when the backend supports it.
-    """
-    types: list[str] = []
+def comm_device(group: Any, preferred: torch.device) -> torch.device:
+    """The device a tensor must be on for ``group``'s backend (CPU for gloo, CUDA for NCCL);
+    ``preferred`` (the scale's device) when the backend takes it."""
     try:
         types = [d.type for d in group._device_types]  # one entry per backend of the group
     except (AttributeError, RuntimeError):
-        backend = str(dist.get_backend(group))
-        for part in backend.split(","):
-            name = part.split(":")[-1].strip()
-            types.extend(_BACKEND_DEVICES.get(name, ("cpu",)))
+        try:
+            backend = str(dist.get_backend(group))
+        except (RuntimeError, ValueError, AttributeError):
+            return preferred
+        types = [
+            t
+            for part in backend.split(",")
+            for t in _BACKEND_DEVICES.get(part.split(":")[-1].strip(), ("cpu",))
+        ]
     if not types or preferred.type in types:
         return preferred
     if "cpu" in types:
         return torch.device("cpu")
-    kind = types[0]
-    module = getattr(torch, kind, None)
-    index = (
-        module.current_device() if module is not None and hasattr(module, "current_device") else 0
-    )
-    return torch.device(kind, index)
+    module = getattr(torch, types[0], None)
+    index = module.current_device() if hasattr(module, "current_device") else 0
+    return torch.device(types[0], index)
 
 
 def all_reduce(
-    tensor: torch.Tensor, groups: list[dist.ProcessGroup], op: dist.ReduceOp = dist.ReduceOp.MAX
+    tensor: torch.Tensor, groups: list[Any], op: dist.ReduceOp.RedOpType = dist.ReduceOp.MAX
 ) -> torch.Tensor:
-    """All-reduce ``tensor`` with ``op`` over each group, waiting for completion.
+    """``tensor`` all-reduced with ``op`` over each of ``groups`` in turn.
 
     Args:
-        tensor: float32 tensor (any shape) on the scale's device.
+        tensor: a float tensor (any shape) on the scale's device.
         groups: from :func:`resolve_groups`; empty means no communication.
-        op: the reduction (MAX for found-inf flags; SUM for the norm parts of clipping).
+        op: MAX for found-inf flags, SUM for the parts of a norm.
 
     Returns:
-        The reduced tensor on ``tensor``'s device (``tensor`` itself when no copy was needed),
-        moved to the device the backend needs and back (:func:`comm_device`). One all-reduce
-        per group; each is complete (``wait()`` returned) before this function returns, so the
-        result may be read at once.
+        The reduced tensor on ``tensor``'s device (moved to the device the backend needs and
+        back where they differ). One all-reduce per group, each complete (on an accelerator:
+        ordered before later work on the current stream) when this returns.
     """
     for group in groups:
         device = comm_device(group, tensor.device)
-        buf = tensor if device == tensor.device else tensor.to(device)
+        buf = tensor if device == tensor.device else to_device(tensor, device)
         dist.all_reduce(buf, op=op, group=group)
-        if buf is not tensor:
-            tensor = to_device(buf, tensor.device)  # blocking back to the CPU: read at once
+        tensor = buf if buf is tensor else to_device(buf, tensor.device)
     return tensor
 
 
-def to_device(
-    tensor: torch.Tensor, device: torch.device | str, dtype: torch.dtype | None = None
+def agree(
+    found_inf: torch.Tensor, step: torch.Tensor, count: int, groups: list[Any]
 ) -> torch.Tensor:
-    """``tensor`` on ``device`` (and ``dtype``): asynchronous where that is safe, blocking when
-    copying to the CPU, since a ``non_blocking`` device-to-host copy lands in pinned memory
-    later and the CPU code that follows would read it at once (CPU-offloaded gradients with
-    the scale on an accelerator)."""
-    device = torch.device(device)
-    return tensor.to(device=device, dtype=dtype, non_blocking=device.type != "cpu")
+    """The found-inf agreement: ONE MAX all-reduce (per group) of ``[found_inf, step, -step,
+    count, -count]`` (float32, on ``found_inf``'s device).
+
+    ``step`` (0-d, the scaler's update count) and ``count`` (which optimizer this is, in a form
+    every rank agrees on: its parameter count; 0 when the ranks hold different parameters) ride
+    along, so that ranks which call the scaler differently are told apart from an overflow:
+    after MAX, ``x_max != -(-x)_max`` means the ranks disagree on ``x`` (see :func:`mismatch`).
+    """
+    step32 = (step % 2**24).to(torch.float32).reshape(())
+    n = torch.full((), float(count % 2**24), device=found_inf.device)  # a fill: no copy, no sync
+    return all_reduce(torch.stack([found_inf.reshape(()), step32, -step32, n, -n]), groups)
+
+
+def mismatch(agreed: torch.Tensor) -> torch.Tensor:
+    """0-d bool: the agreement vector shows ranks at different steps or optimizers."""
+    return (agreed[1] != -agreed[2]) | (agreed[3] != -agreed[4])
+
+
+def mismatch_message(values: Sequence[float], own_step: int, own_count: int, rank: int) -> str:
+    """The error for an agreement vector ``values`` (read on the host) that shows a mismatch."""
+    _, step_hi, neg_step_lo, n_hi, neg_n_lo = values
+    if n_hi != -neg_n_lo:
+        return (
+            "ShardedGradScaler: the ranks reduce the found-inf flags of different optimizers: "
+            f"this rank (rank {rank}) checks an optimizer with {own_count} parameters, other "
+            f"ranks one with {int(-neg_n_lo)}..{int(n_hi)}. Every rank must call "
+            "unscale_/step/clip_grad_norm_ for the optimizers in the same order. If the ranks "
+            "own different parameters by design (pipeline-parallel stages), construct the "
+            "scaler with rank_local_params=True."
+        )
+    return (
+        f"ShardedGradScaler: the ranks are out of step: this rank (rank {rank}) is at step "
+        f"{own_step} (update() calls) but the ranks of the process group range over steps "
+        f"{int(-neg_step_lo)}..{int(step_hi)} (mod 2**24), so this found-inf all-reduce met "
+        "another iteration's. Every rank must call scale/step/update in the same order for the "
+        "same optimizers and load the same checkpoint (e.g. a rank stepped fewer optimizers, "
+        "skipped update(), or restored another step's scaler state)."
+    )
+
+
+def gather_objects(items: list[Any], groups: list[Any]) -> list[Any]:
+    """Every rank's ``items`` (picklable, hashable), gathered over each group in turn (an
+    ``all_gather_object`` per group: collective on every member), each item once."""
+    merged = list(items)
+    for group in groups:
+        out: list[list[Any] | None] = [None] * group.size()
+        dist.all_gather_object(out, merged, group=group)
+        merged = list(dict.fromkeys(item for part in out for item in part or []))
+    return merged
 
 
 def rank() -> int:
     """This process's global rank (0 without an initialized torch.distributed)."""
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def num_params(optimizer: torch.optim.Optimizer) -> int:
-    """The number of parameters of ``optimizer`` (the same on every rank, sharded or not)."""
-    return sum(len(group["params"]) for group in optimizer.param_groups)
-
-
-def check_agreement(
-    agreed: torch.Tensor, counters: torch.Tensor, optimizer: torch.optim.Optimizer
-) -> None:
-    """Raise if the MAX-reduced ``[found_inf, step, -step, n, -n]`` shows ranks at different
-    steps or reducing different optimizers' flags."""
-    _, high, neg_low, n_high, neg_n_low = agreed.tolist()  # CPU tensor: no device sync
-    if n_high != -neg_n_low:
-        raise RuntimeError(
-            f"ShardedGradScaler: the ranks reduce the found-inf flags of different optimizers: "
-            f"this rank (rank {rank()}) checks an optimizer with {num_params(optimizer)} "
-            f"parameters, other ranks one with {int(-neg_n_low)}..{int(n_high)}. Every rank must "
-            "call unscale_/step/clip_grad_norm_ for the optimizers in the same order (safe "
-            "pattern: unscale_(opt_k); step(opt_k) for each k in a fixed order). If the ranks "
-            "own different parameters by design (pipeline-parallel stages), construct the "
-            "scaler with rank_local_params=True."
-        )
-    if high != -neg_low:
-        own_step = int(counters[0])  # error path only
-        raise RuntimeError(
-            f"ShardedGradScaler: the ranks are out of step: this rank (rank {rank()}) is at "
-            f"step {own_step} (update() calls) but the ranks of the process group range over "
-            f"steps {int(-neg_low)}..{int(high)} (mod 2**24), so this found-inf all-reduce met "
-            "another iteration's. Every rank must call scale/step/update in the same order for "
-            "the same optimizers and load the same checkpoint (e.g. a rank stepped fewer "
-            "optimizers, skipped update(), or restored another step's scaler state)."
-        )

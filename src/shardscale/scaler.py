@@ -1,20 +1,22 @@
-"""``ShardedGradScaler``: a drop-in, shard-aware replacement for ``torch.amp.GradScaler``."""
+"""``ShardedGradScaler``: a ``torch.amp.GradScaler`` that is correct across shards and ranks."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import logging
 import numbers
 import warnings
 import weakref
+from collections import defaultdict
 from collections.abc import Iterable, Mapping
-from enum import Enum
 from typing import Any, overload
 
 import torch
+from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
-from . import _sync
+from . import _clip, _sync
 from ._checkpoint import parse_state_dict, to_state_dict
 from ._config import (
     ScalerConfig,
@@ -23,61 +25,49 @@ from ._config import (
     check_growth_interval,
     check_scale,
 )
-from ._grads import SharedMemoryGradError, iter_params, unscale_grads_
-from ._policy import COUNTER_NAMES, ScaleState, count_step, step_in_place
-from ._report import (
-    OverflowReport,
-    ParamNames,
-    collapse_error,
-    gather_entries,
-    param_names,
-    scan_local,
+from ._grads import (
+    SharedMemoryGradError,
+    bucket_grads,
+    combine_flags,
+    iter_params,
+    to_device,
+    unscale_and_check,
 )
+from ._policy import COUNTER_NAMES, ScaleState, math_dtype, next_counters, next_state
+from ._report import OverflowReport, ParamNames, collapse_error, param_names, scan_local
 
 logger = logging.getLogger("shardscale")
 
 _ORDER = (
     "scaler.scale(loss).backward() -> [scaler.unscale_(opt)] -> scaler.step(opt) -> scaler.update()"
 )
-
-
-class OptState(Enum):
-    """Where one optimizer is in the current iteration (as ``torch.amp.grad_scaler.OptState``)."""
-
-    READY = 0
-    UNSCALED = 1
-    STEPPED = 2
-
-
-@dataclasses.dataclass
-class _PerOptimizer:
-    stage: OptState = OptState.READY
-    #: 0-d float32 on the scale's device, agreed across ranks: 1.0 if this step overflowed.
-    found_inf: torch.Tensor | None = None
-    optimizer: weakref.ref | None = None
-    #: set by clip_grad_norm_ for fused optimizers: the grad_scale step() hands to the kernel.
-    grad_scale: torch.Tensor | None = None
+#: update() calls between two reads of the alarm (a completed device-to-host copy) when no
+#: step read the found-inf flag on the host (fused optimizers).
+POLL_EVERY = 16
+# slots of the alarm vector (see ShardedGradScaler._alarm)
+_COLLAPSE_STEP, _COLLAPSE_SCALE, _MISMATCH, _AGREED, _OWN_STEP, _OWN_COUNT = 0, 1, 2, 3, 8, 9
 
 
 @dataclasses.dataclass
 class _LastStep:
     """What update() remembers of the iteration it closed (for reports and last_step_skipped)."""
 
-    step: torch.Tensor  # 0-d copy of the step counter: read (a host sync) only when reported
+    step: torch.Tensor  # 0-d copy of the step counter: read only when reported
     scale: torch.Tensor
     found_inf: torch.Tensor
     optimizers: list[weakref.ref]
 
-    @property
-    def index(self) -> int:
-        return int(self.step)
+
+def _is_optimizer(obj: object) -> bool:
+    return hasattr(obj, "param_groups") and callable(getattr(obj, "step", None))
 
 
-class ShardedGradScaler:
-    """Dynamic loss scaling for fp16/bf16 training that is correct across shards and ranks.
+class ShardedGradScaler(torch.amp.GradScaler):
+    """Dynamic loss scaling for fp16/bf16 training, correct across shards and ranks.
 
-    The public API and ``state_dict`` keys are those of ``torch.amp.GradScaler`` (and of
-    ``torch.distributed.fsdp.ShardedGradScaler``), so swapping the import is enough::
+    A ``torch.amp.GradScaler`` by type and by protocol (public API, ``state_dict`` keys, the
+    private state frameworks and ``grad_scaler=`` optimizers read), so swapping the import is
+    enough::
 
         scaler = ShardedGradScaler()
         for input, target in data:
@@ -85,72 +75,58 @@ class ShardedGradScaler:
             loss = loss_fn(model(input), target)
             scaler.scale(loss).backward()   # gradients are scaled by S
             scaler.step(optimizer)          # unscale + inf/NaN check + ONE all-reduce; skip or step
-            scaler.update()                 # S *= backoff_factor after an overflow, S *= growth_factor
-                                            # after growth_interval clean steps (see _policy.py)
+            scaler.update()                 # back off after an overflow, grow after
+                                            # growth_interval clean steps (see _policy.py)
 
     What differs from torch's scalers:
 
-    * **Agreement.** Each optimizer's found_inf flag is all-reduced (MAX) across the process
-      group(s) in exactly one collective per ``unscale_`` (torch's ``ShardedGradScaler`` issues
-      one per device, and two under FSDP2), so every rank skips the same steps. Fused optimizers
-      receive the agreed flag. Works on CPU with gloo (torch's ``.cuda()`` calls do not).
-    * **Any gradient.** Plain tensors, FSDP2 DTensor shards (the local shard is unscaled; DTensor's
-      own per-bucket all-reduce is not triggered), FSDP1 flat parameters, CPU-offloaded gradients
-      next to device ones, fp32/fp16/bf16 and sparse gradients, ranks holding no shard.
+    * **Agreement.** Each optimizer's found-inf flag is all-reduced (MAX) across the process
+      group in exactly one collective per ``unscale_`` (per mesh dimension for a DeviceMesh), so
+      every rank skips the same steps; fused optimizers receive the agreed flag. The same
+      all-reduce carries the step count and the optimizer's parameter count, so ranks that call
+      the scaler differently get an error naming the mismatch instead of diverging.
+    * **Any gradient.** Plain tensors, FSDP2 DTensor shards (the local shard is unscaled), FSDP1
+      flat parameters, CPU-offloaded gradients next to device ones, fp32/fp16/bf16 and sparse
+      gradients, ranks holding no shard. The kernel is torch's on every device.
     * **Bounded scale** in ``[min_scale, max_scale]``, optional hysteresis (Megatron-LM,
       DeepSpeed), a collapse guard raising :class:`ScaleCollapseError`, skip counters,
-      :meth:`metrics`, :meth:`last_step_skipped` and :meth:`overflow_report`.
+      :meth:`metrics`, :meth:`last_step_skipped`, :meth:`overflow_report` and
+      :meth:`clip_grad_norm_` (one read pass, one all-reduce).
 
-    Host synchronisation: ``scale``, ``unscale_`` and ``update`` never synchronise with a device
-    (except ``update`` with a tensor ``new_scale``). ``step`` synchronises once per optimizer to
-    decide whether to call ``optimizer.step()``, except for fused optimizers
-    (``Adam/AdamW/SGD(fused=True)``), which receive ``grad_scale``/``found_inf`` tensors and skip
-    inside the kernel: zero synchronisations.
+    Host reads: ``scale`` and ``unscale_`` make none, ``update`` none except every
+    ``POLL_EVERY`` (16) calls when no step read the flag (one read of a completed asynchronous
+    copy: the collapse guard and the rank-agreement check), ``step`` one per non-fused
+    optimizer (to decide whether to call ``optimizer.step()``), none for fused optimizers
+    (``Adam/AdamW/SGD(fused=True)``), which receive ``grad_scale``/``found_inf`` tensors.
 
     .. note:: Low-precision gradients unscaled in place lose values below the dtype's range (an
        fp16 gradient of 1e-8 becomes 0). With a fused optimizer and no explicit ``unscale_``,
        the unscale is folded into the kernel's fp32 math and such values survive. Otherwise,
-       reduce gradients in fp32 (FSDP2 ``MixedPrecisionPolicy(reduce_dtype=torch.float32)``,
-       FSDP1 ``MixedPrecision(reduce_dtype=torch.float32)``).
+       reduce gradients in fp32 (FSDP2 ``MixedPrecisionPolicy(reduce_dtype=torch.float32)``).
 
     Args:
-        device: kept for compatibility with ``torch.amp.GradScaler``; the scale lives on the
-            device of the first tensor given to :meth:`scale`. Default ``"cuda"`` if available,
-            else ``"cpu"`` (so a CPU-only machine works with default arguments).
+        device: as ``torch.amp.GradScaler``'s; the scale lives on the device of the first tensor
+            given to :meth:`scale`. Default ``"cuda"`` if available, else ``"cpu"``.
         init_scale: initial loss scale (finite, > 0). Default 2**16.
         growth_factor: > 1. Default 2.0.
         backoff_factor: in (0, 1). Default 0.5.
         growth_interval: clean steps before growth, >= 1. Default 2000.
         enabled: if False every method is a pass-through (``step`` calls ``optimizer.step()``).
-        process_group: a ``ProcessGroup``, a ``DeviceMesh`` or a list/tuple of them; the found-inf
-            flag is reduced over all of them (one all-reduce per group or mesh dimension). ``None``:
-            the default group if ``torch.distributed`` is initialized when ``unscale_`` runs,
-            else no communication. Ranks that train *independent* models in one job must pass a
-            group of their own (every rank of a group skips together, and ``clip_grad_norm_``
-            counts unsharded gradients once, as replicas, from the group's first rank).
+        process_group: a ``ProcessGroup``, a ``DeviceMesh`` or a list/tuple of them; the flag is
+            reduced over all of them. ``None``: the default group if ``torch.distributed`` is
+            initialized when ``unscale_`` runs, else no communication.
         min_scale, max_scale, hysteresis, consecutive_hysteresis, max_consecutive_skips,
         on_collapse, dynamic: the policy beyond torch's, see :class:`ScalerConfig`.
-        report_overflows: if True, ``update()`` reads the agreed overflow flag (one host sync
-            per iteration) and, on overflowing iterations, builds one :class:`OverflowReport`
-            covering every optimizer stepped (one per-parameter scan and one all-gather) and logs
-            it as a warning on the ``"shardscale"`` logger.
-        param_names: an ``nn.Module`` or ``{name: parameter}`` map used to name parameters in
-            reports (see :meth:`set_param_names`).
-        rank_local_params: False (default) when the ranks of the process group hold the same
-            model, replicated (DDP) or sharded (FSDP): the all-reduce then also checks that
-            every rank reduces the flag of an optimizer with the same parameter count, and
-            :meth:`clip_grad_norm_` counts plain (unsharded) gradients once, as replicas. True
-            when the ranks own *different* parameters, as pipeline-parallel stages do (one
-            scale for the whole pipeline, as Megatron-LM reduces found_inf over its
-            model-parallel group): the parameter-count check is off (the step counter is still
-            checked) and every gradient is summed over ranks in the norm. Pipeline x data
-            parallelism: keep the default (world) group so that every rank agrees (with FSDP
-            the data-parallel ranks hold different shards and must agree too); its
-            ``clip_grad_norm_`` is then right when the data-parallel dimension is FSDP (shards)
-            and over-counts with DDP (replicas): there, clip with a norm of your own.
+        report_overflows: if True, ``update()`` reads the agreed flag (one host read per
+            iteration) and logs an :class:`OverflowReport` as a warning on the ``"shardscale"``
+            logger after each overflowing iteration (one scan and one all-gather then).
+        param_names: an ``nn.Module`` or ``{name: parameter}`` map naming parameters in reports.
+        rank_local_params: True when the ranks hold *different* parameters (pipeline stages):
+            the optimizer-identity check is off and :meth:`clip_grad_norm_` sums every gradient
+            over ranks. False (default) for replicated (DDP) or sharded (FSDP) models.
 
     Raises:
-        TypeError, ValueError: a bad argument; the message names it.
+        TypeError, ValueError: a bad argument; the message names it. Nothing is half-built.
     """
 
     def __init__(
@@ -178,21 +154,15 @@ class ShardedGradScaler:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if not isinstance(device, (str, torch.device)):
             raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}.")
-        self._device = torch.device(device).type
-        is_numpy_bool = type(enabled).__module__ == "numpy" and type(enabled).__name__ in (
-            "bool_",
-            "bool",
-        )
-        if not (isinstance(enabled, numbers.Integral) or is_numpy_bool):
+        device_type = torch.device(device).type
+        numpy_bool = type(enabled).__module__ == "numpy" and "bool" in type(enabled).__name__
+        if not (isinstance(enabled, numbers.Integral) or numpy_bool):
             raise TypeError(f"enabled must be a bool, got {enabled!r}.")
-        enabled = bool(enabled)  # as torch.amp.GradScaler: 1, numpy.True_ ... are accepted
         _sync.validate_process_group(process_group)
-        bounds = {}
-        if min_scale is not None:
-            bounds["min_scale"] = min_scale
-        if max_scale is not None:
-            bounds["max_scale"] = max_scale
-        self._config = ScalerConfig(
+        bounds = {
+            k: v for k, v in (("min_scale", min_scale), ("max_scale", max_scale)) if v is not None
+        }
+        config = ScalerConfig(
             growth_factor=growth_factor,
             backoff_factor=backoff_factor,
             growth_interval=growth_interval,
@@ -203,65 +173,122 @@ class ShardedGradScaler:
             dynamic=dynamic,
             **bounds,
         )
-        self._init_scale = check_scale(
-            "init_scale", init_scale, self._config.min_scale, self._config.max_scale
-        )
-        if not isinstance(rank_local_params, bool):
-            raise TypeError(f"rank_local_params must be a bool, got {rank_local_params!r}.")
-        if not isinstance(report_overflows, bool):
-            raise TypeError(f"report_overflows must be a bool, got {report_overflows!r}.")
-        self._names = _report_names(param_names)
-        self.rank_local_params = rank_local_params
-        self._enabled = enabled
-        self.process_group = process_group
-        self._report_overflows = report_overflows
+        init = check_scale("init_scale", init_scale, config.min_scale, config.max_scale)
+        for name, flag in (
+            ("rank_local_params", rank_local_params),
+            ("report_overflows", report_overflows),
+        ):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {flag!r}.")
+        names = param_names_from(param_names)
+        # Validated. torch's GradScaler.__init__ is not called (with device="cuda" on a machine
+        # without CUDA it disables the scaler): every attribute it sets is set here.
+        self._device = device_type
+        self._enabled = bool(enabled)
+        self._config = config
+        self._init_scale = init
         self._init_growth_tracker = 0
-        self._init_hysteresis_tracker = hysteresis
+        self._scale: torch.Tensor | None = None
+        self._growth_tracker: torch.Tensor | None = None
+        self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(
+            _refresh_per_optimizer_state
+        )
+        # shardscale's state: the rest of ScaleState, created with _scale
+        self._init_hysteresis_tracker = config.hysteresis
         self._init_counters: tuple[int, ...] = (0,) * len(COUNTER_NAMES)
-        self._state: ScaleState | None = None
-        self._per_optimizer: dict[int, _PerOptimizer] = {}
+        self._hysteresis_tracker: torch.Tensor | None = None
+        self._counters: torch.Tensor | None = None
+        #: float64 on the scale's device, written by device ops, read by _poll(): [step of a
+        #: collapse or -1, its scale, 1 if ranks disagreed, the agreement vector (5), own step,
+        #: own parameter count]
+        self._alarm: torch.Tensor | None = None
+        self.process_group = process_group
+        self.rank_local_params = rank_local_params
+        self._report_overflows = report_overflows
+        self._names = names
         #: id(param) -> agreed found_inf, for gradients unscaled by clip_grad_norm_(params)
         self._pre_unscaled: dict[int, torch.Tensor] = {}
-        # (scale tensor, its version, 1/scale): reused while the scale is not written
-        self._inv_cache: tuple[torch.Tensor, int, torch.Tensor] | None = None
-        # (process_group, the default group, their resolved groups): see _groups()
-        self._groups_cache: tuple[Any, Any, list[Any]] | None = None
         self._skipped: dict[int, torch.Tensor] = {}
         self._last: _LastStep | None = None
         self._last_report: OverflowReport | None = None
-        self._pending_collapse: list[tuple[Any, torch.Tensor, _LastStep]] = []
+        self._host_overflow = False  # a non-fused step of this iteration read an overflow
+        self._updates_since_poll = 0
 
     @classmethod
     def guard(
         cls, process_group: _sync.ProcessGroupLike = None, **kwargs: Any
     ) -> ShardedGradScaler:
-        """A scaler for bf16/fp32 training: scale fixed (at 1.0, or ``init_scale`` if given),
-        non-finite steps still skipped.
-
-        Every rank skips the same steps (one all-reduce per ``unscale_``) and the reporting
-        (:meth:`metrics`, :meth:`overflow_report`) works as in fp16 mode. ``kwargs`` are passed to
-        the constructor (e.g. ``max_consecutive_skips``, ``report_overflows``).
-        """
+        """A scaler for bf16/fp32 training: the scale fixed (at 1.0, or ``init_scale`` if
+        given), non-finite steps still skipped on every rank, reports as in fp16 mode. ``kwargs``
+        go to the constructor (e.g. ``max_consecutive_skips``, ``report_overflows``)."""
         kwargs.setdefault("init_scale", 1.0)
         return cls(process_group=process_group, dynamic=False, **kwargs)
+
+    # ---------------------------------------------------------- torch's attributes
+    @property
+    def _growth_factor(self) -> float:  # type: ignore[override]
+        return self._config.growth_factor
+
+    @_growth_factor.setter
+    def _growth_factor(self, value: float) -> None:
+        self.set_growth_factor(value)
+
+    @property
+    def _backoff_factor(self) -> float:  # type: ignore[override]
+        return self._config.backoff_factor
+
+    @_backoff_factor.setter
+    def _backoff_factor(self, value: float) -> None:
+        self.set_backoff_factor(value)
+
+    @property
+    def _growth_interval(self) -> int:  # type: ignore[override]
+        return self._config.growth_interval
+
+    @_growth_interval.setter
+    def _growth_interval(self, value: int) -> None:
+        self.set_growth_interval(value)
+
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device | str) -> None:
+        """Create the scale state on ``dev`` (as torch's method; also public in effect: call it
+        to place the scale before the first :meth:`scale`, e.g. before a CUDA graph capture).
+        Idempotent: a state that exists already stays where it is."""
+        if self._scale is not None:
+            return
+        state = ScaleState.create(
+            torch.device(dev),
+            self._init_scale,
+            self._init_growth_tracker,
+            self._init_hysteresis_tracker,
+            self._init_counters,
+        )
+        self._scale, self._growth_tracker = state.scale, state.growth_tracker
+        self._hysteresis_tracker, self._counters = state.hysteresis_tracker, state.counters
+        self._alarm = torch.zeros(10, dtype=math_dtype(state.scale.device), device=dev)
+        self._alarm[_COLLAPSE_STEP] = -1
+
+    def _state(self) -> ScaleState:
+        return ScaleState(
+            self._scale, self._growth_tracker, self._hysteresis_tracker, self._counters
+        )  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ scale
     @overload
     def scale(self, outputs: torch.Tensor) -> torch.Tensor: ...
 
     @overload
-    def scale(self, outputs: list[Any]) -> list[Any]: ...
+    def scale(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]: ...
 
     @overload
-    def scale(self, outputs: tuple[Any, ...]) -> tuple[Any, ...]: ...
+    def scale(self, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]: ...
 
-    def scale(self, outputs: torch.Tensor | list[Any] | tuple[Any, ...]) -> Any:
+    def scale(self, outputs: Any) -> Any:
         """Multiply a loss (or nested lists/tuples of losses) by the current loss scale.
 
         The scale is created on the device of the first tensor ever scaled (a 0-d float32
-        tensor); outputs on other devices get a copy. The result dtype follows torch's type
-        promotion, exactly as ``torch.amp.GradScaler``: an fp16 tensor with dimensions stays
-        fp16, a 0-d fp16 loss becomes fp32. A NaN/inf loss is not an error: its step is skipped.
+        tensor). The result dtype follows torch's type promotion, as ``torch.amp.GradScaler``. A
+        NaN/inf loss is not an error: its step is skipped. No host read; compiles with
+        ``torch.compile(fullgraph=True)``.
 
         Args:
             outputs: a floating-point tensor, or a list/tuple (possibly nested) of them.
@@ -270,285 +297,310 @@ class ShardedGradScaler:
             The same structure with every tensor multiplied by the scale (unchanged if disabled).
 
         Raises:
-            TypeError: anything else (the scaler is left unchanged).
+            TypeError, ValueError: anything else (the scaler is left unchanged).
         """
         if not self._enabled:
             return outputs
         first = _first_tensor(outputs)  # validates the whole structure first
-        if self._state is None:
-            self._lazy_init(first.device)
-        assert self._state is not None
-        scale = self._state.scale
+        if self._scale is None:
+            self._lazy_init_scale_growth_tracker(first.device)
+        scale: torch.Tensor = self._scale  # type: ignore[assignment]
         if isinstance(outputs, torch.Tensor):
-            return outputs * _sync.to_device(scale, outputs.device)
-        per_device: dict[torch.device, torch.Tensor] = {}
+            return outputs * to_device(scale, outputs.device)
 
         def apply(val: Any) -> Any:
             if isinstance(val, torch.Tensor):
-                s = per_device.get(val.device)
-                if s is None:
-                    s = per_device[val.device] = _sync.to_device(scale, val.device)
-                return val * s
+                return val * to_device(scale, val.device)
             items = [apply(v) for v in val]
             return type(val)(*items) if hasattr(val, "_fields") else type(val)(items)
 
         return apply(outputs)
 
-    def _lazy_init(self, device: torch.device) -> None:
-        self._state = ScaleState.create(
-            device,
-            self._init_scale,
-            self._init_growth_tracker,
-            self._init_hysteresis_tracker,
-            self._init_counters,
-        )
-
     # ---------------------------------------------------------------- unscale
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide ("unscale") ``optimizer``'s gradients by the scale and agree on found_inf.
 
-        Optional: :meth:`step` unscales by itself. Call it to inspect or clip unscaled gradients.
-        One fused unscale+check kernel per (device, dtype) of local gradients (DTensor grads:
-        their local shard), then exactly one all-reduce (MAX) of a 0-d flag per process group,
-        waited on before returning. No host synchronisation with NCCL.
+        Optional: :meth:`step` unscales by itself. One ``_amp_foreach_non_finite_check_and_
+        unscale_`` per (device, dtype) of local gradients (DTensor grads: their local shard),
+        then exactly one all-reduce (MAX) of the flag per process group. No host read.
 
         Raises:
             RuntimeError: called before :meth:`scale`, twice for this optimizer in one iteration,
                 or after :meth:`step`.
             TypeError: ``optimizer`` is not an optimizer.
-            ValueError: a gradient's elements share memory (an expanded view: give the parameter
-                a gradient of its own); raised, naming the parameter, before anything is written.
+            ValueError: a gradient's elements share memory (an expanded view), named, before
+                anything is written.
         """
         if not self._enabled:
             return
-        st = self._require_stage("unscale_", optimizer)
-        if st.stage is OptState.UNSCALED:
+        state = self._opt_state("unscale_", optimizer)
+        if state["stage"] is OptState.UNSCALED:
             raise RuntimeError(
                 "unscale_() has already been called on this optimizer since the last update(); "
                 f"call it at most once per optimizer per iteration: {_ORDER}."
             )
-        if st.stage is OptState.STEPPED:
-            raise RuntimeError(
-                f"unscale_() is being called after step() for this optimizer; the order is {_ORDER}."
-            )
-        st.found_inf = self._check(optimizer, self._inv_scale())
-        st.stage = OptState.UNSCALED
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError(f"unscale_() is being called after step(); the order is {_ORDER}.")
+        self._agree(optimizer, state, self._inv_scale())
+        state["stage"] = OptState.UNSCALED
 
     def _inv_scale(self) -> torch.Tensor:
-        """``1/scale`` (0-d float32, on the scale's device), recomputed only after the scale
-        tensor was written (its version counter moved): the scale changes only on a growth or a
-        backoff. Callers only read it."""
-        assert self._state is not None
-        scale = self._state.scale
-        cached = self._inv_cache
-        if cached is not None and cached[0] is scale and cached[1] == scale._version:
-            return cached[2]
-        if scale.device.type == "mps":
-            inv = scale.reciprocal()
-        else:  # float64 reciprocal, as torch.amp.GradScaler: fp32 division can be imprecise.
-            inv = scale.double().reciprocal().float()
-        self._inv_cache = (scale, scale._version, inv)
-        return inv
+        scale: torch.Tensor = self._scale  # type: ignore[assignment]
+        if scale.device.type == "mps":  # no float64 there
+            return scale.reciprocal()
+        return scale.double().reciprocal().float()  # as torch: fp32 division can be imprecise
 
-    def _groups(self) -> list[Any]:
-        """:func:`_sync.resolve_groups` of ``self.process_group``: cached while it and the default
-        group are the same objects (``dist.get_world_size`` per group costs ~20 us per call right
-        after a backward pass). A list or tuple is resolved every time: a list may change."""
-        pg = self.process_group
-        world = _sync.default_group() if pg is None else None
-        cached = self._groups_cache
-        if cached is not None and cached[0] is pg and cached[1] is world:
-            return cached[2]
-        groups = _sync.resolve_groups(pg)
-        self._groups_cache = None if isinstance(pg, (list, tuple)) else (pg, world, groups)
-        return groups
-
-    def _check(
-        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor | None
-    ) -> torch.Tensor:
-        """Local unscale/check, then the single all-reduce. Returns the agreed 0-d flag.
-
-        The all-reduce carries ``[found_inf, step, -step, n, -n]`` (``step``: update() calls so
-        far; ``n``: the optimizer's parameter count): after MAX, ``step_max != -(-step)_max``
-        means the ranks' scalers are out of step, and ``n_max != -(-n)_max`` that the ranks
-        reduce the flags of different optimizers (e.g. ``unscale_`` called in another order);
-        either raises a RuntimeError when the result is on the CPU (no host sync). On error the
-        optimizer's iteration stage is left as it was.
-        """
-        assert self._state is not None
+    def _unscale_grads_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        allow_fp16: bool,
+    ) -> dict[torch.device, torch.Tensor]:
+        """torch's local unscale: ``optimizer``'s local gradients times ``inv_scale``, in place;
+        ``{device: found_inf}`` (0-d float32 copies of ``found_inf``, 1.0 where a gradient held
+        inf/NaN). No collective. Gradients ``clip_grad_norm_(params)`` unscaled already are left
+        out. ``allow_fp16=False`` refuses fp16 gradients, as torch."""
+        params = list(iter_params(optimizer))
         try:
-            home = self._state.scale.device
-            pre = self._pre_unscaled
-            try:
-                flags = unscale_grads_(optimizer, inv_scale, skip=pre)
-            except SharedMemoryGradError as e:
-                raise e.naming(self._names.current(), optimizer) from None
-            local = _combine_flags(flags, home)
-            if pre:  # gradients a clip_grad_norm_(params) already unscaled: their agreed flags
-                for flag in (pre[id(p)] for p in iter_params(optimizer) if id(p) in pre):
-                    local = torch.maximum(local, flag)
-            groups = self._groups()
-            if not groups:
-                return local
-            step = (self._state.counters[0] % 2**24).to(torch.float32)
-            # which optimizer this is, in a form every rank agrees on: its parameter count
-            # (not comparable when the ranks own different parameters: pipeline stages)
-            count = 0 if self.rank_local_params else _sync.num_params(optimizer) % 2**24
-            n = torch.full((), float(count), device=home)
-            agreed = _sync.all_reduce(torch.stack([local, step, -step, n, -n]), groups)
-            if agreed.device.type == "cpu":
-                _sync.check_agreement(agreed, self._state.counters, optimizer)
-            return agreed[0]
+            buckets = bucket_grads(params, skip=self._pre_unscaled)
+        except SharedMemoryGradError as e:
+            raise e.naming(self._names.current(), params) from None
+        if not allow_fp16 and any(torch.float16 in b for b in buckets.values()):
+            raise ValueError("Attempting to unscale FP16 gradients.")
+        return unscale_and_check(buckets, inv_scale, found_inf)
+
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, torch.Tensor]:
+        """torch's check without unscaling: records and returns ``optimizer``'s agreed
+        ``{scale device: found_inf}`` (one all-reduce, as :meth:`unscale_`)."""
+        state = self._opt_state("_check_inf_per_device", optimizer)
+        return self._agree(optimizer, state, torch.ones_like(self._scale))  # type: ignore[arg-type]
+
+    def _agree(
+        self, optimizer: torch.optim.Optimizer, state: dict[str, Any], inv_scale: torch.Tensor
+    ) -> dict[Any, torch.Tensor]:
+        """Local unscale/check, then the single all-reduce; stores and returns the agreed flag
+        as ``state["found_inf_per_device"]``. On error the optimizer's iteration is not started.
+
+        The all-reduce carries ``[found_inf, step, -step, n, -n]`` (:func:`_sync.agree`): ranks
+        at different steps or reducing different optimizers' flags make the flag 1 (the step is
+        skipped) and raise when it is next read on the host (:meth:`_maybe_opt_step`, or the
+        alarm read by :meth:`update`)."""
+        scale: torch.Tensor = self._scale  # type: ignore[assignment]
+        home = scale.device
+        try:
+            zero = torch.zeros((), dtype=torch.float32, device=home)
+            local = combine_flags(self._unscale_grads_(optimizer, inv_scale, zero, True), home)
+            for p in iter_params(optimizer):  # gradients clip_grad_norm_(params) unscaled
+                if id(p) in self._pre_unscaled:
+                    local = torch.maximum(local, self._pre_unscaled[id(p)])
+            groups = _sync.resolve_groups(self.process_group)
+            if groups:
+                count = (
+                    0
+                    if self.rank_local_params
+                    else sum(len(g["params"]) for g in optimizer.param_groups)
+                )
+                agreed = _sync.agree(local, self._counters[0], count, groups)  # type: ignore[arg-type]
+                bad = _sync.mismatch(agreed)
+                alarm: torch.Tensor = self._alarm  # type: ignore[assignment]
+                first = bad & (alarm[_MISMATCH] == 0)
+                record = torch.cat([alarm.new_ones(1), agreed.to(alarm.dtype)])
+                record = torch.cat(
+                    [record, self._counters[:1].to(alarm.dtype), alarm.new_full((1,), count)]
+                )  # type: ignore[index]
+                alarm.copy_(torch.where(first, torch.cat([alarm[:2], record]), alarm))
+                local = torch.maximum(agreed[0], bad.float())
+                state["agreement"] = agreed
         except BaseException:
-            st = self._per_optimizer.get(id(optimizer))
-            if st is not None and st.stage is OptState.READY and st.found_inf is None:
-                del self._per_optimizer[id(optimizer)]  # a failed call does not start an iteration
+            self._forget_if_untouched(optimizer)
             raise
+        state["found_inf_per_device"] = {home: local}
+        state["optimizer"] = weakref.ref(optimizer)
+        return state["found_inf_per_device"]
 
     # ------------------------------------------------------------------- step
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless :meth:`unscale_` was called), then step ``optimizer`` unless any rank
         found inf/NaN in its gradients.
 
-        Non-fused optimizers: one host synchronisation reads the agreed flag; ``optimizer.step``
-        is called only when it is 0. Fused optimizers (``_step_supports_amp_scaling``, e.g.
+        Non-fused optimizers: one host read of the agreed flag; ``optimizer.step`` is called
+        only when it is 0. Fused optimizers (``_step_supports_amp_scaling``, e.g.
         ``AdamW(fused=True)``): ``optimizer.step`` is always called with ``optimizer.grad_scale``
-        (the scale, so the kernel unscales in fp32; None if :meth:`unscale_` already did) and
-        ``optimizer.found_inf`` (the agreed 0-d flag; the kernel skips when it is 1): no sync.
-        Use :meth:`last_step_skipped` to know whether the step was skipped.
+        (the scale times any ``grad_scale`` the user set, so the kernel unscales in fp32; the
+        user's alone if :meth:`unscale_` already did; restored afterwards) and
+        ``optimizer.found_inf`` (the agreed flag; the kernel skips): no host read. An optimizer
+        whose ``step`` takes ``grad_scaler=`` gets ``grad_scaler=self`` (with torch's
+        ``FutureWarning``) and does its own unscaling. :meth:`last_step_skipped` tells whether
+        the step was skipped.
 
         Returns:
             What ``optimizer.step(*args, **kwargs)`` returned; None if a non-fused step was
-            skipped (a fused optimizer is always called and skips inside its kernel).
+            skipped.
 
         Raises:
             RuntimeError: called before :meth:`scale`, twice for this optimizer in one
-                iteration, or with a ``closure`` (not supported, as in torch).
-            ValueError: as :meth:`unscale_` (a gradient sharing memory), before anything is
-                written or stepped.
+                iteration, with a ``closure`` (as torch), or when the ranks disagree (another
+                step, another optimizer).
+            ValueError: as :meth:`unscale_`, before anything is written or stepped.
         """
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not supported if ShardedGradScaler is enabled.")
-        st = self._require_stage("step", optimizer)
-        if st.stage is OptState.STEPPED:
+        state = self._opt_state("step", optimizer)
+        if state["stage"] is OptState.STEPPED:
             raise RuntimeError(
                 "step() has already been called on this optimizer since the last update(); "
                 f"the order is {_ORDER}, with update() once per iteration."
             )
-        assert self._state is not None
-        retval = None
-        fused = getattr(optimizer, "_step_supports_amp_scaling", False)
-        if fused and st.stage is OptState.READY and self._pre_unscaled:
+        if not getattr(optimizer, "_step_supports_amp_scaling", False):
+            if state["stage"] is OptState.READY:
+                self.unscale_(optimizer)
+            retval = self._maybe_opt_step(optimizer, state, *args, **kwargs)
+        elif "grad_scaler" in inspect.signature(optimizer.step).parameters:
+            warnings.warn(
+                "GradScaler is going to stop passing itself as a keyword argument to the passed "
+                "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
+                "`found_inf: Tensor` to the passed optimizer and let the optimizer use them directly.",
+                FutureWarning,
+                stacklevel=2,
+            )
+            self._per_optimizer_states[id(optimizer)] = state
+            state["optimizer"] = weakref.ref(optimizer)
+            retval = optimizer.step(*args, **{**kwargs, "grad_scaler": self})
+            flags = list(state["found_inf_per_device"].values())
+            self._skipped[id(optimizer)] = (
+                sum(flags) > 0 if flags else torch.tensor(False, device="cpu")
+            )  # type: ignore[assignment]
+        else:
+            retval = self._fused_step(optimizer, state, *args, **kwargs)
+        state["stage"] = OptState.STEPPED
+        return retval
+
+    def _fused_step(self, optimizer: Any, state: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        """Hand ``grad_scale`` and the agreed ``found_inf`` to a fused optimizer's kernel."""
+        scale: torch.Tensor = self._scale  # type: ignore[assignment]
+        if state["stage"] is OptState.READY:
             if any(id(p) in self._pre_unscaled for p in iter_params(optimizer)):
                 self.unscale_(optimizer)  # part is unscaled already: unscale the rest in place
-        if fused:
-            if st.stage is OptState.READY:
-                st.found_inf = self._check(optimizer, None)  # check only: the kernel unscales
-                user_scale = getattr(optimizer, "grad_scale", None)
-                grad_scale = (
-                    self._state.scale if user_scale is None else self._state.scale * user_scale
-                )
-            elif st.grad_scale is not None:
-                grad_scale = st.grad_scale  # decided by clip_grad_norm_ (unscale and clip folded)
             else:
-                grad_scale = getattr(optimizer, "grad_scale", None)
-            assert st.found_inf is not None
-            optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
-            optimizer.found_inf = st.found_inf  # type: ignore[attr-defined]
-            try:
-                retval = optimizer.step(*args, **kwargs)
-            finally:
-                del optimizer.grad_scale  # type: ignore[attr-defined]
-                del optimizer.found_inf  # type: ignore[attr-defined]
-            skipped = st.found_inf > 0
-        else:
-            if st.stage is OptState.READY:
-                self.unscale_(optimizer)
-            assert st.found_inf is not None
-            overflow = bool(st.found_inf.item())  # the one host sync of a non-fused step
-            if not overflow:
-                retval = optimizer.step(*args, **kwargs)
-            skipped = torch.tensor(overflow, device="cpu")
-        st.stage = OptState.STEPPED
-        self._skipped[id(optimizer)] = skipped
+                self._check_inf_per_device(optimizer)  # check only: the kernel unscales
+                state["grad_scale"] = scale
+        user = getattr(optimizer, "grad_scale", None)
+        folded = state.get("grad_scale")  # the scale, or clip_grad_norm_'s scale / clip_coef
+        grad_scale = user if folded is None else folded if user is None else folded * user
+        found_inf = sum(to_device(f, scale.device) for f in state["found_inf_per_device"].values())
+        optimizer.grad_scale, optimizer.found_inf = grad_scale, found_inf
+        try:
+            retval = optimizer.step(*args, **kwargs)
+        finally:
+            del optimizer.found_inf
+            if user is None:
+                del optimizer.grad_scale
+            else:
+                optimizer.grad_scale = user
+        self._skipped[id(optimizer)] = found_inf > 0  # type: ignore[operator]
         return retval
+
+    @torch.compiler.disable
+    def _maybe_opt_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        optimizer_state: dict[str, Any],
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        """The one host read of a non-fused step (kept out of ``torch.compile`` graphs): the
+        agreed flag (with the agreement vector); ``optimizer.step`` only if no rank overflowed."""
+        agreed = optimizer_state.get("agreement")
+        flags = list(optimizer_state["found_inf_per_device"].values())
+        if agreed is not None:
+            values = agreed.tolist()
+            if values[1] != -values[2] or values[3] != -values[4]:
+                own = sum(len(g["params"]) for g in optimizer.param_groups)
+                raise RuntimeError(
+                    _sync.mismatch_message(values, int(self._counters[0]), own, _sync.rank())  # type: ignore[index]
+                )
+            overflow = values[0] > 0
+        else:
+            overflow = bool(sum(f.item() for f in flags))
+        self._skipped[id(optimizer)] = torch.tensor(overflow, device="cpu")
+        self._host_overflow = self._host_overflow or overflow
+        return None if overflow else optimizer.step(*args, **kwargs)
 
     # ----------------------------------------------------------------- update
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Update the loss scale after every optimizer of the iteration has stepped.
 
-        Without ``new_scale`` the policy of :class:`ScalerConfig` runs on the device (no host
-        sync): back off after an overflow on any rank (after ``hysteresis`` of them), grow after
-        ``growth_interval`` clean steps, stay inside ``[min_scale, max_scale]``. All optimizers'
-        agreed flags are combined once. With ``new_scale`` (a float, or a 1-element tensor on any
-        device, read with one host sync) the scale is set to it; trackers are kept, as in torch;
-        the iteration is still counted (``metrics()``, ``last_step_skipped()``,
-        ``overflow_report()``), and the collapse guard does not run (the caller chose the scale).
+        Without ``new_scale`` the policy of :class:`ScalerConfig` runs on the device
+        (:func:`next_state`, no host read): back off after an overflow on any rank (after
+        ``hysteresis`` of them), grow after ``growth_interval`` clean steps, stay inside
+        ``[min_scale, max_scale]``. All optimizers' agreed flags are summed once. With
+        ``new_scale`` (a float, or a 1-element tensor, read once) the scale is set to it and the
+        trackers kept, as torch; the iteration is still counted, the collapse guard not run.
+
+        The collapse guard and the rank-agreement check read the alarm on the host when a step
+        of this iteration read an overflow, and every ``POLL_EVERY`` updates otherwise (a
+        completed asynchronous copy, no wait): a collapse raises then, from this call (in
+        ``torch.compile``-d code, from the next eager call).
 
         Raises:
             RuntimeError: no :meth:`step`/:meth:`unscale_`/``clip_grad_norm_`` since the last
-                update (nothing to update from), or called before :meth:`scale`. (When only
-                ``clip_grad_norm_(params)`` ran, its flags are the iteration's inf checks, as
-                torch counts ``unscale_`` without ``step``; otherwise they count through the
-                optimizers that own those parameters when these step or unscale in the same
-                iteration: an overflow in parameters whose optimizer is not stepped then, or
-                that no optimizer holds, does not back off the scale.)
+                update, called before :meth:`scale`, or the ranks disagreed.
             TypeError, ValueError: a bad ``new_scale`` (not a finite value in the bounds).
             ScaleCollapseError: the scale collapsed and ``on_collapse="raise"`` (the update has
                 been applied and the scaler is ready for the next iteration).
         """
         if not self._enabled:
             return
-        if self._state is None:
+        if self._scale is None:
             raise RuntimeError(f"update() was called before scale(); the order is {_ORDER}.")
         value = None if new_scale is None else self._check_new_scale(new_scale)  # validate first
-        stepped = [st for st in self._per_optimizer.values() if st.found_inf is not None]
-        # the inf checks recorded this iteration: each stepped/unscaled optimizer's agreed flag
-        # (which includes the flags of its parameters clipped by clip_grad_norm_(params)), or,
-        # when only clip_grad_norm_(params) ran, those flags (as torch's update() after
-        # unscale_() without step(): the checks made are what counts)
-        flags: list[torch.Tensor] = [st.found_inf for st in stepped]  # type: ignore[misc]
-        if not flags:
+        home = self._scale.device
+        states = [s for s in self._per_optimizer_states.values() if s["found_inf_per_device"]]
+        flags = [to_device(f, home) for s in states for f in s["found_inf_per_device"].values()]
+        if not flags:  # only clip_grad_norm_(params) ran: its checks are the iteration's
             flags = list({id(f): f for f in self._pre_unscaled.values()}.values())
         if not flags and value is None:
             raise RuntimeError(
                 "update() was called but no optimizer was stepped or unscaled since the last "
                 f"update(); the order is {_ORDER}."
             )
+        state = self._state()
         last = None
         if flags:
             found_inf = flags[0]
             for flag in flags[1:]:
                 found_inf = found_inf + flag
-            last = _LastStep(
-                step=self._state.counters[0].clone(),  # no host sync in update()
-                scale=self._state.scale.clone(),
-                found_inf=found_inf,
-                optimizers=[st.optimizer for st in stepped if st.optimizer is not None],
-            )
-        collapsed = None
+            refs = [s["optimizer"] for s in states if "optimizer" in s]
+            last = _LastStep(state.counters[0].clone(), state.scale.clone(), found_inf, refs)
+            self._last = last
         if value is not None:
-            # the user sets the scale (trackers kept, as torch); the iteration is still counted
-            # (steps, skips, overflows, last_step_skipped, reports), the collapse guard not run
             if last is not None:
-                count_step(self._state, last.found_inf, value)
-            self._state.scale.fill_(value)
+                target = torch.full_like(state.scale, value)
+                state.counters.copy_(
+                    next_counters(state.counters, last.found_inf, state.scale, target)
+                )
+            state.scale.fill_(value)
         else:
             assert last is not None
-            collapsed = step_in_place(self._state, last.found_inf, self._config)
-        if last is not None:
-            self._last = last
-        self._per_optimizer = {}
+            new, collapsed = next_state(state, last.found_inf, self._config)
+            state.copy_from(new)
+            alarm: torch.Tensor = self._alarm  # type: ignore[assignment]
+            first = collapsed & (alarm[_COLLAPSE_STEP] < 0)
+            record = torch.stack([last.step.to(alarm.dtype), last.scale.to(alarm.dtype)])
+            alarm[:2] = torch.where(first, record, alarm[:2])
+        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
         self._pre_unscaled = {}
         self._last_report = None  # a mid-iteration report may miss optimizers stepped later
-        if last is not None and self._report_overflows and bool(last.found_inf > 0):
-            live = [o for o in (ref() for ref in last.optimizers) if o is not None]
-            logger.warning("%s", self._build_report(live, last.scale, last.index))
-        if collapsed is not None:
-            assert last is not None
-            self._handle_collapse(collapsed, last)
+        if not torch.compiler.is_compiling():
+            if last is not None and self._report_overflows and bool(last.found_inf > 0):
+                logger.warning("%s", self._build_report(last))
+            self._updates_since_poll += 1
+            if self._host_overflow or self._updates_since_poll >= POLL_EVERY:
+                self._poll()
+            self._host_overflow = False
 
     def _check_new_scale(self, new_scale: object) -> float:
         if isinstance(new_scale, torch.Tensor):
@@ -567,38 +619,32 @@ class ShardedGradScaler:
             new_scale = float(new_scale.item())
         return check_scale("new_scale", new_scale, self._config.min_scale, self._config.max_scale)
 
-    # --------------------------------------------------------- collapse guard
-    def _handle_collapse(self, collapsed: torch.Tensor, last: _LastStep) -> None:
-        """Raise/warn on collapse without a host sync on accelerators (checked one step late)."""
-        if collapsed.device.type == "cpu":
-            if bool(collapsed):  # every rank sees it at this same update: gather the report
-                self._collapse(last, gather=True)
+    def _poll(self) -> None:
+        """Read the alarm (one host read); raise on a rank mismatch, raise or warn on a collapse
+        (every rank polls at the same update, so the report is gathered over the ranks)."""
+        self._updates_since_poll = 0
+        alarm: torch.Tensor = self._alarm  # type: ignore[assignment]
+        values = alarm.tolist()
+        if values[_MISMATCH]:
+            raise RuntimeError(
+                _sync.mismatch_message(
+                    values[_AGREED:_OWN_STEP],
+                    int(values[_OWN_STEP]),
+                    int(values[_OWN_COUNT]),
+                    _sync.rank(),
+                )
+            )
+        if values[_COLLAPSE_STEP] < 0:
             return
-        ready, waiting = [], []
-        for pending in self._pending_collapse:  # no tuple equality: it would compare tensors
-            (ready if pending[0] is None or pending[0].query() else waiting).append(pending)
-        self._pending_collapse = waiting
-        host = collapsed.to("cpu", non_blocking=True)
-        event = None
-        try:
-            event = torch.Event(device=collapsed.device)  # type: ignore[attr-defined,call-arg]
-            event.record()
-        except (AttributeError, RuntimeError, TypeError):
-            host = collapsed.cpu()  # no event support: read now
-        if event is None:
-            ready.append((None, host, last))
-        else:
-            self._pending_collapse.append((event, host, last))
-        for _, flag, step in ready:
-            if bool(flag):
-                self._collapse(step)
-
-    def _collapse(self, last: _LastStep, gather: bool = False) -> None:
-        optimizers = [o for o in (ref() for ref in last.optimizers) if o is not None]
+        alarm[_COLLAPSE_STEP] = -1  # warn mode: the next collapse is recorded again
+        optimizers = (
+            [o for o in (r() for r in self._last.optimizers) if o is not None] if self._last else []
+        )
         entries = scan_local(optimizers, self._names, _sync.rank())
-        if gather:  # collective: only where every rank detects the collapse at the same update
-            entries = gather_entries(entries, self._groups())
-        error = collapse_error(self._config, last.index, float(last.scale), entries, _sync.rank())
+        entries = _sync.gather_objects(entries, _sync.resolve_groups(self.process_group))
+        entries.sort(key=lambda e: (e.rank, e.name))
+        step, scale = int(values[_COLLAPSE_STEP]), values[_COLLAPSE_SCALE]
+        error = collapse_error(self._config, step, scale, entries, _sync.rank())
         if self._config.on_collapse == "raise":
             raise error
         warnings.warn(str(error), RuntimeWarning, stacklevel=3)
@@ -606,43 +652,158 @@ class ShardedGradScaler:
     # ------------------------------------------------------------- clipping
     def clip_grad_norm_(
         self,
-        optimizer_or_params: torch.optim.Optimizer | Iterable[torch.Tensor],
+        optimizer_or_params: torch.optim.Optimizer | Iterable[torch.Tensor] | torch.Tensor,
         max_norm: float,
-        norm_type: float = 2.0,
+        norm_type: float | str = 2.0,
     ) -> torch.Tensor:
         """Unscale, compute the global gradient norm across shards and ranks, and clip.
 
-        See :func:`shardscale._clip.clip_grad_norm_` for the algorithm, the collectives and the
-        errors raised.
-        """
-        from ._clip import clip_grad_norm_
+        The same as ``scaler.unscale_(opt)`` then ``torch.nn.utils.clip_grad_norm_(params,
+        max_norm, norm_type)`` on the *unsharded* model, with the found-inf agreement of
+        :meth:`unscale_`, in one read pass, ONE all-reduce of 3 floats (none without a process
+        group) and one write pass (none for a fused optimizer: the factor is folded into its
+        ``grad_scale``). Replicated gradients (plain, DDP, DTensor ``Replicate``, FSDP1
+        ``NO_SHARD`` flat parameters) count once; shards (FSDP2 ``Shard``, FSDP1) are summed.
+        Afterwards the optimizer is UNSCALED with its agreed flag, so :meth:`step` skips (on
+        every rank) or steps. See :mod:`shardscale._clip`.
 
-        try:
-            return clip_grad_norm_(self, optimizer_or_params, max_norm, norm_type)
-        except SharedMemoryGradError as e:  # raised before any write, with its parameter
-            optimizer = (
-                optimizer_or_params if hasattr(optimizer_or_params, "param_groups") else None
+        Args:
+            optimizer_or_params: the optimizer whose gradients to clip, or a tensor / iterable
+                of parameters (those are unscaled and clipped in place and remembered, so their
+                optimizer's ``step`` leaves them alone and still skips after an overflow; it
+                issues its own all-reduce: two in the iteration).
+            max_norm: the largest allowed total norm (>= 0; inf: no clipping).
+            norm_type: ``p`` of the p-norm, any number > 0, or ``inf`` / ``"inf"``.
+
+        Returns:
+            The total norm of the unscaled gradients over all ranks and shards, a 0-d float32
+            tensor on the scale's device (inf/NaN after an overflow), as torch's function.
+
+        Raises:
+            TypeError, ValueError: a bad argument or gradient (a Partial DTensor, shared memory),
+                before anything is written.
+            RuntimeError: called before ``scale()``, or out of order in the iteration.
+            NotImplementedError: several process groups / a multi-dimensional mesh, or DTensor
+                gradients on a mesh other than the scaler's group.
+        """
+        is_opt = _is_optimizer(optimizer_or_params)
+        params = (
+            list(iter_params(optimizer_or_params))
+            if is_opt
+            else _clip.param_list(optimizer_or_params)
+        )  # type: ignore[arg-type]
+        max_norm_f = _clip.check_max_norm(max_norm)
+        p = _clip.check_norm_type(norm_type)
+        groups = _sync.resolve_groups(self.process_group)
+        if len(groups) > 1:
+            raise NotImplementedError(
+                "clip_grad_norm_() supports one process group (or a 1-D DeviceMesh); this scaler "
+                f"reduces over {len(groups)} groups. For HSDP / multi-dimensional meshes, call "
+                "scaler.unscale_(optimizer) and compute the norm with your framework's helper."
             )
-            raise e.naming(self._names.current(), optimizer) from None
+        group = groups[0] if groups else None
+        try:
+            buckets = _clip.bucket(params, group, self.rank_local_params)
+        except SharedMemoryGradError as e:
+            raise e.naming(self._names.current(), params) from None
+        if not self._enabled:
+            return _clip.clip_unscaled(buckets, p, max_norm_f, group)
+        if self._scale is None:
+            raise RuntimeError(
+                "clip_grad_norm_() was called before scale(); the order is "
+                "scaler.scale(loss).backward() -> scaler.clip_grad_norm_(...) -> scaler.step(opt) "
+                "-> scaler.update()."
+            )
+        if not is_opt:
+            return self._clip_params(buckets, params, p, max_norm_f, group)
+        optimizer: Any = optimizer_or_params
+        if any(id(q) in self._pre_unscaled for q in params):
+            raise RuntimeError(
+                "clip_grad_norm_(optimizer) was called after clip_grad_norm_(params) on some of "
+                "its parameters in this iteration; clip either the optimizer or parameter lists, "
+                "once per parameter per iteration."
+            )
+        state = self._opt_state("clip_grad_norm_", optimizer)
+        if state["stage"] is not OptState.READY:
+            self._forget_if_untouched(optimizer)
+            done = (
+                "unscale_() or clip_grad_norm_()"
+                if state["stage"] is OptState.UNSCALED
+                else "step()"
+            )
+            raise RuntimeError(
+                f"clip_grad_norm_() was called after {done} on this optimizer in this iteration; "
+                "clip_grad_norm_() unscales by itself, so call it instead of unscale_(): "
+                "scaler.scale(loss).backward() -> scaler.clip_grad_norm_(opt, max_norm) -> "
+                "scaler.step(opt) -> scaler.update()."
+            )
+        fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+        try:
+            total, state["grad_scale"], found_inf = self._norm_and_clip(
+                buckets, p, max_norm_f, group, fused
+            )
+        except BaseException:
+            self._forget_if_untouched(optimizer)
+            raise
+        state["found_inf_per_device"] = {found_inf.device: found_inf}
+        state["optimizer"] = weakref.ref(optimizer)
+        state["stage"] = OptState.UNSCALED
+        return total
+
+    def _norm_and_clip(
+        self, buckets: _clip.Buckets, p: float, max_norm: float, group: Any, fused: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        scale: torch.Tensor = self._scale  # type: ignore[assignment]
+        inv = self._inv_scale()
+        total, found_inf = _clip.global_norm(buckets, p, inv, scale.device, group)
+        coef = _clip.clip_coef(total, max_norm)
+        grad_scale, found_inf = _clip.unscale_and_clip(buckets, scale, inv, coef, found_inf, fused)
+        return total, grad_scale, found_inf
+
+    def _clip_params(
+        self,
+        buckets: _clip.Buckets,
+        params: list[torch.Tensor],
+        p: float,
+        max_norm: float,
+        group: Any,
+    ) -> torch.Tensor:
+        ids = {id(q) for q in params}
+        if ids & self._pre_unscaled.keys():
+            raise RuntimeError(
+                "clip_grad_norm_() was already called on some of these parameters in this "
+                "iteration (their gradients are unscaled); clip each parameter once per iteration."
+            )
+        for state in self._per_optimizer_states.values():
+            opt = state["optimizer"]() if "optimizer" in state else None
+            if state["stage"] is not OptState.READY and opt is not None:
+                if any(id(q) in ids for q in iter_params(opt)):
+                    raise RuntimeError(
+                        "clip_grad_norm_(params) was called after unscale_()/step() of an "
+                        "optimizer that owns these parameters; clip before: scaler.scale(loss)"
+                        ".backward() -> scaler.clip_grad_norm_(params, max_norm) -> "
+                        "scaler.step(opt)."
+                    )
+        total, _, found_inf = self._norm_and_clip(buckets, p, max_norm, group, fused=False)
+        for q in params:
+            self._pre_unscaled[id(q)] = found_inf
+        return total
 
     # ------------------------------------------------------------- reporting
     def last_step_skipped(self, optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor:
-        """Whether the last step of ``optimizer`` (or of any optimizer, for None) was skipped.
+        """Whether the last step of ``optimizer`` (or of the last iteration, for None) was
+        skipped, as a 0-d bool tensor: a CPU tensor already known to the host for non-fused
+        optimizers; on the scale's device for fused ones (reading it then waits for the step).
+        A disabled scaler never skips. To keep an LR scheduler still on skipped steps::
 
-        Returns:
-            A 0-d bool tensor. Reading it as a Python bool synchronises the host when it lives on
-            an accelerator (fused optimizers); for non-fused optimizers it is a CPU tensor already
-            known to the host. To skip an LR scheduler on skipped steps::
-
-                scaler.step(optimizer); scaler.update()
-                if not scaler.last_step_skipped(optimizer):
-                    scheduler.step()
+            scaler.step(optimizer); scaler.update()
+            if not scaler.last_step_skipped(optimizer):
+                scheduler.step()
 
         Raises:
             RuntimeError: no step has been taken yet (for this optimizer).
         """
         if not self._enabled:
-            # a disabled scaler never skips: the loop stays the same
             return torch.tensor(False, device="cpu")
         if optimizer is not None:
             flag = self._skipped.get(id(optimizer))
@@ -656,142 +817,92 @@ class ShardedGradScaler:
     def metrics(self) -> dict[str, float | int]:
         """Plain numbers for loggers: ``scale``, ``growth_tracker``, ``hysteresis_tracker``,
         ``steps``, ``skipped_steps``, ``consecutive_skips``, ``overflows``, ``backoffs``,
-        ``growths`` (see :class:`ScaleState`) and ``last_step_skipped`` (0/1). One host sync.
-        A disabled scaler returns the same keys: scale 1.0 and zeros (nothing is counted)."""
-        if not self._enabled:  # the same keys (a logging loop must not depend on enabled)
-            return {
-                "scale": 1.0,
-                "growth_tracker": 0,
-                "hysteresis_tracker": 0,
-                **dict.fromkeys(COUNTER_NAMES, 0),
-                "last_step_skipped": 0,
-            }
-        if self._state is None:
+        ``growths`` (see :class:`ScaleState`) and ``last_step_skipped`` (0/1). One host read; no
+        collective. A disabled scaler gives the same keys: scale 1.0 and zeros."""
+        if not self._enabled:
+            values = [1.0, 0, 0, *(0,) * len(COUNTER_NAMES), 0]
+        elif self._scale is None:
             values = [
                 self._init_scale,
                 self._init_growth_tracker,
                 self._init_hysteresis_tracker,
                 *self._init_counters,
+                0,
             ]
         else:
-            s = self._state
-            last = (
-                self._last.found_inf
-                if self._last is not None
-                else torch.zeros((), device=s.scale.device)
-            )
-            packed = torch.cat(
-                [
-                    s.scale.double().reshape(1),
-                    s.growth_tracker.double().reshape(1),
-                    s.hysteresis_tracker.double().reshape(1),
-                    s.counters.double(),
-                    last.to(s.scale.device).double().reshape(1),
-                ]
-            )
-            values = packed.tolist()  # the one host sync
+            s = self._state()
+            last = self._last.found_inf if self._last is not None else torch.zeros_like(s.scale)
+            parts = [
+                s.scale,
+                s.growth_tracker,
+                s.hysteresis_tracker,
+                s.counters,
+                to_device(last, s.scale.device),
+            ]
+            values = torch.cat(
+                [t.double().reshape(-1) for t in parts]
+            ).tolist()  # the one host read
         out: dict[str, float | int] = {"scale": float(values[0])}
-        out["growth_tracker"] = int(values[1])
-        out["hysteresis_tracker"] = int(values[2])
-        for i, name in enumerate(COUNTER_NAMES):
-            out[name] = int(values[3 + i])
-        out["last_step_skipped"] = int(len(values) > 3 + len(COUNTER_NAMES) and values[-1] > 0)
+        names = ("growth_tracker", "hysteresis_tracker", *COUNTER_NAMES)
+        out.update({name: int(v) for name, v in zip(names, values[1:], strict=False)})
+        out["last_step_skipped"] = int(values[-1] > 0)
         return out
 
     def set_param_names(self, source: torch.nn.Module | Mapping[str, torch.Tensor]) -> None:
-        """Name parameters in overflow reports, from a module or a ``{name: parameter}`` map.
-
-        With FSDP1 (``use_orig_params=False``) the optimizer sees flat parameters, named after
-        the ``_flat_param`` attributes. From a module, the submodules are recorded now and
-        asked for their parameters when a report is built (parameters replaced since are
-        named; a freed model names nothing; parameters registered later are not: call this
-        again); from a map, names are kept by parameter identity.
-        ``copy.deepcopy`` of the scaler after its model in the same call follows the copied
-        model; pickling (e.g. ``torch.save(scaler)``) drops them: call this again after loading.
-        """
-        self._names = _report_names(source)
+        """Name parameters in overflow reports, from a module (its submodules are asked for
+        their parameters when a report is built) or a ``{name: parameter}`` map. ``copy.
+        deepcopy`` of the scaler after its model in the same call follows the copied model;
+        pickling drops the names (call this again after loading)."""
+        self._names = param_names_from(source)
 
     def overflow_report(self) -> OverflowReport | None:
         """Where the non-finite gradients of the last stepped iteration were, on every rank.
 
-        Collective: every rank of the process group(s) must call it (all-gather of the entries).
-        Call it after :meth:`step`/:meth:`update` and before ``zero_grad()`` (it scans the
-        gradients). Costs nothing extra on clean steps: returns None without scanning when the
-        last iteration did not overflow (one host sync to know).
-
-        Returns:
-            An :class:`OverflowReport`, or None if the last iteration was clean.
+        Collective when the iteration overflowed: every rank of the process group must call it
+        (one scan of the local gradients and one all-gather). Call it after :meth:`step` /
+        :meth:`update` and before ``zero_grad()``. Returns None without scanning when the
+        iteration was clean (one host read to know).
         """
-        if any(st.found_inf is not None for st in self._per_optimizer.values()):
-            optimizers = [
-                o
-                for o in (
-                    st.optimizer()
-                    for st in self._per_optimizer.values()
-                    if st.optimizer and st.found_inf is not None
-                )
-                if o is not None
-            ]
-            flags = [
-                st.found_inf for st in self._per_optimizer.values() if st.found_inf is not None
-            ]
-            index = self._step_index()
-            assert self._state is not None
-            scale = self._state.scale
+        live = [s for s in self._per_optimizer_states.values() if s["found_inf_per_device"]]
+        if live:
+            flags = [f for s in live for f in s["found_inf_per_device"].values()]
+            scale: torch.Tensor = self._scale  # type: ignore[assignment]
+            refs = [s["optimizer"] for s in live if "optimizer" in s]
+            found = sum(to_device(f, scale.device) for f in flags)
+            last = _LastStep(self._counters[0].clone(), scale.clone(), found, refs)  # type: ignore[index,arg-type]
         elif self._last is not None:
-            optimizers = [o for o in (r() for r in self._last.optimizers) if o is not None]
-            flags = [self._last.found_inf]
-            index, scale = self._last.index, self._last.scale
+            last = self._last
         else:
             return None
-        if not bool(torch.stack([f.reshape(()) for f in flags]).amax() > 0):  # one host sync
+        if not bool(last.found_inf > 0):  # the one host read
             return None
-        if self._last_report is not None and self._last_report.step == index:
+        if self._last_report is not None and self._last_report.step == int(last.step):
             return self._last_report
-        return self._build_report(optimizers, scale, index)
+        return self._build_report(last)
 
-    def _build_report(
-        self, optimizers: list[torch.optim.Optimizer], scale: torch.Tensor, index: int
-    ) -> OverflowReport:
+    def _build_report(self, last: _LastStep) -> OverflowReport:
+        optimizers = [o for o in (r() for r in last.optimizers) if o is not None]
         entries = scan_local(optimizers, self._names, _sync.rank())
-        entries = gather_entries(entries, self._groups())
-        self._last_report = OverflowReport(index, float(scale), tuple(entries))
+        entries = _sync.gather_objects(entries, _sync.resolve_groups(self.process_group))
+        entries.sort(key=lambda e: (e.rank, e.name))
+        self._last_report = OverflowReport(int(last.step), float(last.scale), tuple(entries))
         return self._last_report
-
-    def _step_index(self) -> int:
-        if self._state is None:
-            return self._init_counters[0]
-        return int(self._state.counters[0])
 
     # ------------------------------------------------------- getters/setters
     def get_scale(self) -> float:
-        """The current scale as a Python float (1.0 if disabled). Synchronises the host."""
+        """The current scale as a Python float (1.0 if disabled). One host read."""
         if not self._enabled:
             return 1.0
-        return self._init_scale if self._state is None else float(self._state.scale.item())
-
-    def _get_scale_async(self) -> torch.Tensor | None:
-        """The scale tensor without a sync (None before the first :meth:`scale`), as torch."""
-        return None if self._state is None else self._state.scale
-
-    @property
-    def _scale(self) -> torch.Tensor | None:
-        """The 0-d float32 scale tensor (None before the first :meth:`scale`), under the private
-        name some libraries read from ``torch.amp.GradScaler``. Read-only."""
-        return self._get_scale_async()
-
-    @property
-    def _growth_tracker(self) -> torch.Tensor | None:
-        """The 0-d int32 growth tracker tensor (None before the first :meth:`scale`), as torch's
-        private attribute. Read-only."""
-        return None if self._state is None else self._state.growth_tracker
+        return self._init_scale if self._scale is None else float(self._scale.item())
 
     def _get_growth_tracker(self) -> int:
-        """The growth tracker as a Python int (0 if disabled), as torch's private method.
-        Synchronises the host."""
         if not self._enabled:
             return 0
-        return self._init_growth_tracker if self._state is None else int(self._state.growth_tracker)
+        return (
+            self._init_growth_tracker
+            if self._growth_tracker is None
+            else int(self._growth_tracker.item())
+        )
 
     def get_growth_factor(self) -> float:
         """The growth factor (a Python float)."""
@@ -836,9 +947,8 @@ class ShardedGradScaler:
         Keys: torch's five (``scale``, ``growth_factor``, ``backoff_factor``,
         ``growth_interval``, ``_growth_tracker``), then ``min_scale``, ``max_scale``,
         ``hysteresis``, ``consecutive_hysteresis``, ``dynamic``, ``max_consecutive_skips``,
-        ``on_collapse``, ``_hysteresis_tracker`` and ``_counters`` (a dict of the counters of
-        :meth:`metrics`). Empty if disabled. One host sync. Call it after :meth:`update` to
-        checkpoint a whole iteration (mid-iteration it holds the state before the update).
+        ``on_collapse``, ``_hysteresis_tracker`` and ``_counters``. Empty if disabled. One host
+        read. Call it after :meth:`update` to checkpoint a whole iteration.
         """
         if not self._enabled:
             return {}
@@ -852,129 +962,111 @@ class ShardedGradScaler:
         changes: on error the scaler is left exactly as it was.
 
         Raises:
-            RuntimeError: empty dict (saved from a disabled scaler), or called between
-                ``unscale_``/``step`` and ``update`` (load at an iteration boundary).
+            RuntimeError: empty dict (saved from a disabled scaler), or called mid-iteration.
             TypeError, ValueError: a missing key or a bad value, named in the message.
         """
         if not self._enabled:
             return
-        if self._per_optimizer or self._pre_unscaled:
+        if self._mid_iteration():
             raise RuntimeError(
                 "load_state_dict() was called in the middle of an iteration (after unscale_/step, "
                 "before update()); load the state at an iteration boundary."
             )
         loaded = parse_state_dict(state_dict, self._config)
-        # build the new tensors (the last step that could fail) before changing anything
-        fresh = ScaleState.create(
-            self._state.scale.device if self._state is not None else torch.device("cpu"),
-            loaded.scale,
-            loaded.growth_tracker,
+        fresh = None
+        if self._scale is not None:  # the last step that can fail, before anything changes
+            fresh = ScaleState.create(
+                self._scale.device,
+                loaded.scale,
+                loaded.growth_tracker,
+                loaded.hysteresis_tracker,
+                loaded.counters,
+            )
+        self._config = loaded.config
+        self._init_scale, self._init_growth_tracker = loaded.scale, loaded.growth_tracker
+        self._init_hysteresis_tracker, self._init_counters = (
             loaded.hysteresis_tracker,
             loaded.counters,
         )
-        # validated: now mutate
-        self._config = loaded.config
-        self._init_scale, self._init_growth_tracker = loaded.scale, loaded.growth_tracker
-        self._init_hysteresis_tracker = loaded.hysteresis_tracker
-        self._init_counters = loaded.counters
-        if self._state is not None:
-            self._state.copy_from(fresh)
+        if fresh is not None:
+            self._state().copy_from(fresh)
+
+    def _mid_iteration(self) -> bool:
+        return bool(self._pre_unscaled) or any(
+            s["stage"] is not OptState.READY or s["found_inf_per_device"]
+            for s in self._per_optimizer_states.values()
+        )
 
     def __getstate__(self) -> dict[str, Any]:
-        if self._per_optimizer or self._pre_unscaled:
+        if self._mid_iteration():
             raise RuntimeError(
                 "A ShardedGradScaler may only be pickled at an iteration boundary (before scale() "
                 "or after update())."
             )
         state = self.__dict__.copy()
-        if self._enabled and self._state is not None:
-            sd = self.state_dict()
-            state["_init_scale"] = sd["scale"]
-            state["_init_growth_tracker"] = sd["_growth_tracker"]
-            state["_init_hysteresis_tracker"] = sd["_hysteresis_tracker"]
-            state["_init_counters"] = tuple(sd["_counters"][n] for n in COUNTER_NAMES)
-        for key in ("_state", "_last", "_last_report"):
+        if self._enabled and self._scale is not None:
+            m = self.metrics()
+            state["_init_scale"], state["_init_growth_tracker"] = m["scale"], m["growth_tracker"]
+            state["_init_hysteresis_tracker"] = m["hysteresis_tracker"]
+            state["_init_counters"] = tuple(m[n] for n in COUNTER_NAMES)
+        for key in ("_scale", "_growth_tracker", "_hysteresis_tracker", "_counters", "_alarm"):
             state[key] = None
-        state["_per_optimizer"], state["_skipped"], state["_pending_collapse"] = {}, {}, []
-        state["_pre_unscaled"] = {}
-        state["_inv_cache"] = state["_groups_cache"] = None
+        state.update(_last=None, _last_report=None, _skipped={}, _pre_unscaled={})
+        state["_per_optimizer_states"] = defaultdict(_refresh_per_optimizer_state)
         state["process_group"] = None  # process groups cannot be pickled (copies share it)
-        # report names are ids of this process's parameters: pickling drops them (call
-        # set_param_names after loading); __copy__/__deepcopy__ keep or remap them
-        state["_names"] = ParamNames()
+        state["_names"] = ParamNames()  # ids of this process's parameters: meaningless elsewhere
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        # attributes added after a scaler may have been pickled get their defaults
-        self.__dict__.update(
-            {
-                "rank_local_params": False,
-                "_names": ParamNames(),
-                "_report_overflows": False,
-                "_state": None,
-                "_per_optimizer": {},
-                "_pre_unscaled": {},
-                "_inv_cache": None,
-                "_groups_cache": None,
-                "_skipped": {},
-                "_last": None,
-                "_last_report": None,
-                "_pending_collapse": [],
-            }
-        )
-        self.__dict__.update(state)
-        if not isinstance(self._names, ParamNames):  # an older pickle: {id: name}, meaningless
-            self._names = ParamNames()
+        fresh = type(self)(state.get("_device", "cpu"), enabled=False).__dict__
+        fresh.update({k: v for k, v in state.items() if k in fresh})  # an older pickle: its keys
+        if not isinstance(fresh["_names"], ParamNames):  # an older pickle: {id: name}
+            fresh["_names"] = ParamNames()
+        self.__dict__.update(fresh)
 
     def __copy__(self) -> ShardedGradScaler:
         """A copy (at an iteration boundary, as pickling) naming the same parameters."""
         new = type(self).__new__(type(self))
         new.__setstate__(self.__getstate__())
-        new._names = self._names
-        new.process_group = self.process_group  # a process resource: shared, not copied
+        new._names, new.process_group = self._names, self.process_group
         return new
 
     def __deepcopy__(self, memo: dict[int, Any]) -> ShardedGradScaler:
         """A deep copy (at an iteration boundary, as pickling). Report names follow the
-        parameters copied *before* the scaler in the same ``deepcopy`` call (e.g.
-        ``copy.deepcopy((model, opt, scaler))``); others keep naming the originals (copied
-        alone, the copy serves the same model). Otherwise call :meth:`set_param_names`."""
-        state = self.__getstate__()
+        parameters copied *before* the scaler in the same ``deepcopy`` call; others keep naming
+        the originals."""
         new = type(self).__new__(type(self))
         memo[id(self)] = new
-        new.__setstate__(copy.deepcopy(state, memo))
+        new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
         new._names = self._names.remapped(memo)
         new.process_group = self.process_group  # a process resource: shared, not copied
         return new
 
     # ---------------------------------------------------------------- helpers
-    def _require_stage(self, method: str, optimizer: torch.optim.Optimizer) -> _PerOptimizer:
-        if not (hasattr(optimizer, "param_groups") and callable(getattr(optimizer, "step", None))):
+    def _opt_state(self, method: str, optimizer: Any) -> dict[str, Any]:
+        """``optimizer``'s record of this iteration (created READY), after checking the call."""
+        if not _is_optimizer(optimizer):
             raise TypeError(
                 f"{method}() takes a torch.optim.Optimizer, got {type(optimizer).__name__}."
             )
-        if self._state is None:
+        if self._scale is None:
             raise RuntimeError(f"{method}() was called before scale(): the order is {_ORDER}.")
-        st = self._per_optimizer.get(id(optimizer))
-        if st is None:
-            st = self._per_optimizer[id(optimizer)] = _PerOptimizer(
-                optimizer=weakref.ref(optimizer)
-            )
-        return st
+        return self._per_optimizer_states[id(optimizer)]
+
+    def _forget_if_untouched(self, optimizer: Any) -> None:
+        """A failed call does not start an iteration for ``optimizer``."""
+        state = self._per_optimizer_states.get(id(optimizer))
+        if (
+            state is not None
+            and state["stage"] is OptState.READY
+            and not state["found_inf_per_device"]
+        ):
+            del self._per_optimizer_states[id(optimizer)]
 
 
-def _report_names(source: torch.nn.Module | Mapping[str, torch.Tensor] | None) -> ParamNames:
+def param_names_from(source: torch.nn.Module | Mapping[str, torch.Tensor] | None) -> ParamNames:
+    """:class:`ParamNames` from a module, a ``{name: parameter}`` map, or None (no names)."""
     return param_names(source)
-
-
-def _combine_flags(flags: dict[torch.device, torch.Tensor], home: torch.device) -> torch.Tensor:
-    """MAX of per-device 0-d flags as one 0-d float32 tensor on ``home`` (no host sync)."""
-    if len(flags) == 1 and home in flags:
-        return flags[home]  # the common case: one device, the scale's
-    local = torch.zeros((), dtype=torch.float32, device=home)
-    for flag in flags.values():
-        local = torch.maximum(local, _sync.to_device(flag, home))
-    return local
 
 
 def _first_tensor(outputs: object) -> torch.Tensor:
@@ -998,8 +1090,7 @@ def _first_tensor(outputs: object) -> torch.Tensor:
                 visit(v, depth + 1)
         else:
             raise TypeError(
-                "scale() takes a tensor or a (nested) list/tuple of tensors; got "
-                f"{type(val).__name__}."
+                f"scale() takes a tensor or a (nested) list/tuple of tensors; got {type(val).__name__}."
             )
 
     visit(outputs, 0)

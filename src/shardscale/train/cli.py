@@ -135,8 +135,6 @@ def launch(cfg: TrainConfig, worker_argv: list[str]) -> int:
         logs_specs=DefaultLogsSpecs(log_dir=log_dir),
     )
     os.environ["SHARDSCALE_TRAIN_LAUNCHER"] = "1"
-    if cfg.device == "cpu":  # build the compiled CPU parts here once (cached), not in every rank
-        _build_cpu_parts()
     try:
         elastic_launch(config, sys.executable)("-m", WORKER_MODULE, *worker_argv)
         return 0
@@ -185,13 +183,6 @@ def _root_cause(err: object) -> tuple[str, int]:
 
 def _warn(message: str) -> None:
     print(PREFIX.replace("error", "warning") + one_line(message), file=sys.stderr, flush=True)
-
-
-def _build_cpu_parts(notice_after: float = 2.0) -> None:
-    """The compiled CPU parts, built here once (:func:`shardscale.cli.build_cpu_parts`)."""
-    from ..cli import build_cpu_parts
-
-    build_cpu_parts("shardscale train", notice_after)
 
 
 def _error(message: str, code: int) -> int:

@@ -363,7 +363,7 @@ def check_scaler_options(cfg: TrainConfig) -> None:
     Raises:
         ConfigError: the option and the scaler's reason.
     """
-    from ..scaler import ShardedGradScaler
+    from shardscale import ShardedGradScaler
 
     values = {name: getattr(cfg, name) for name in _SCALER_OPTIONS}
     try:

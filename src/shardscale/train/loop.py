@@ -23,8 +23,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .._report import ScaleCollapseError
-from ..scaler import ShardedGradScaler
+from shardscale import ScaleCollapseError, ShardedGradScaler
+
 from . import checkpoint, data, model, parallel, report
 from .config import TrainConfig
 

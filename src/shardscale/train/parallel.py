@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..scaler import ShardedGradScaler
+from shardscale import ShardedGradScaler
+
 from .config import DTYPES, TrainConfig
 
 
@@ -143,11 +144,11 @@ def inject_inf(model: nn.Module, rank: int, world: int) -> None:
 def clip(scaler: Any, optimizer: torch.optim.Optimizer, model: nn.Module, max_norm: float) -> None:
     """Clip the global gradient norm to ``max_norm`` on unscaled gradients.
 
-    ``ShardedGradScaler.clip_grad_norm_`` when shardscale provides it (unscale + global norm over
+    ``ShardedGradScaler.clip_grad_norm_`` with shardscale's scaler (unscale + global norm over
     shards and ranks); otherwise torch's recipe ``scaler.unscale_(opt)`` followed by
     ``FSDP.clip_grad_norm_`` (FSDP1) or ``torch.nn.utils.clip_grad_norm_`` (DTensor-aware).
     """
-    if isinstance(scaler, ShardedGradScaler) and _has_shardscale_clip():
+    if isinstance(scaler, ShardedGradScaler):
         scaler.clip_grad_norm_(optimizer, max_norm)
         return
     scaler.unscale_(optimizer)
@@ -155,9 +156,3 @@ def clip(scaler: Any, optimizer: torch.optim.Optimizer, model: nn.Module, max_no
         model.clip_grad_norm_(max_norm)
     else:
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-
-
-def _has_shardscale_clip() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("shardscale._clip") is not None

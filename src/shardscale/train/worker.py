@@ -30,7 +30,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .._report import ScaleCollapseError
+from shardscale import ScaleCollapseError
+
 from .config import ConfigError, parse, validate
 
 PREFIX = "shardscale train: error: "
