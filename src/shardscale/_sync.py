@@ -85,6 +85,7 @@ def resolve_groups(process_group: ProcessGroupLike) -> list[Any]:
     return [g for g in groups if g.size() > 1]
 
 
+@torch.compiler.assume_constant_result  # torch.compile: read once when tracing, a constant
 def comm_device(group: Any, preferred: torch.device) -> torch.device:
     """The device a tensor must be on for ``group``'s backend (CPU for gloo, CUDA for NCCL);
     ``preferred`` (the scale's device) when the backend takes it."""

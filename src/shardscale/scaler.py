@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, overload
 
 import torch
-from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
+from torch.amp.grad_scaler import OptState
 
 from . import _clip, _sync
 from ._checkpoint import parse_state_dict, to_state_dict
@@ -41,8 +41,8 @@ logger = logging.getLogger("shardscale")
 _ORDER = (
     "scaler.scale(loss).backward() -> [scaler.unscale_(opt)] -> scaler.step(opt) -> scaler.update()"
 )
-#: update() calls between two reads of the alarm (a completed device-to-host copy) when no
-#: step read the found-inf flag on the host (fused optimizers).
+#: update() calls between two reads of the alarm (a completed device-to-host copy) when steps
+#: ran whose found-inf flag the host never read (fused optimizers).
 POLL_EVERY = 16
 # slots of the alarm vector (see ShardedGradScaler._alarm)
 _COLLAPSE_STEP, _COLLAPSE_SCALE, _MISMATCH, _AGREED, _OWN_STEP, _OWN_COUNT = 0, 1, 2, 3, 8, 9
@@ -56,6 +56,12 @@ class _LastStep:
     scale: torch.Tensor
     found_inf: torch.Tensor
     optimizers: list[weakref.ref]
+
+
+def _fresh_state() -> dict[str, Any]:
+    """One optimizer's record of the iteration, as torch's ``_refresh_per_optimizer_state``
+    (defined here: ``torch.compile`` does not trace a torch function that returns a dict)."""
+    return {"stage": OptState.READY, "found_inf_per_device": {}}
 
 
 def _is_optimizer(obj: object) -> bool:
@@ -93,11 +99,13 @@ class ShardedGradScaler(torch.amp.GradScaler):
       :meth:`metrics`, :meth:`last_step_skipped`, :meth:`overflow_report` and
       :meth:`clip_grad_norm_` (one read pass, one all-reduce).
 
-    Host reads: ``scale`` and ``unscale_`` make none, ``update`` none except every
-    ``POLL_EVERY`` (16) calls when no step read the flag (one read of a completed asynchronous
-    copy: the collapse guard and the rank-agreement check), ``step`` one per non-fused
-    optimizer (to decide whether to call ``optimizer.step()``), none for fused optimizers
-    (``Adam/AdamW/SGD(fused=True)``), which receive ``grad_scale``/``found_inf`` tensors.
+    Host reads: ``scale``, ``unscale_`` and ``clip_grad_norm_`` make none; ``step`` one per
+    non-fused optimizer (to decide whether to call ``optimizer.step()``), none for fused
+    optimizers (``Adam/AdamW/SGD(fused=True)``), which receive ``grad_scale``/``found_inf``
+    tensors; ``update`` none, except one read of the alarm (the collapse guard and the
+    rank-agreement check, a few floats written on the device) after a step read an overflow,
+    and every ``POLL_EVERY`` (16) updates while fused steps run (their flags are never read).
+    ``scale``, ``update`` and a whole train step compile with ``torch.compile``.
 
     .. note:: Low-precision gradients unscaled in place lose values below the dtype's range (an
        fp16 gradient of 1e-8 becomes 0). With a fused optimizer and no explicit ``unscale_``,
@@ -190,9 +198,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         self._init_growth_tracker = 0
         self._scale: torch.Tensor | None = None
         self._growth_tracker: torch.Tensor | None = None
-        self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(
-            _refresh_per_optimizer_state
-        )
+        self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_fresh_state)
         # shardscale's state: the rest of ScaleState, created with _scale
         self._init_hysteresis_tracker = config.hysteresis
         self._init_counters: tuple[int, ...] = (0,) * len(COUNTER_NAMES)
@@ -212,6 +218,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         self._last: _LastStep | None = None
         self._last_report: OverflowReport | None = None
         self._host_overflow = False  # a non-fused step of this iteration read an overflow
+        self._unread_steps = False  # a step whose flag the host did not read, since the last poll
         self._updates_since_poll = 0
 
     @classmethod
@@ -469,6 +476,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
             self._per_optimizer_states[id(optimizer)] = state
             state["optimizer"] = weakref.ref(optimizer)
             retval = optimizer.step(*args, **{**kwargs, "grad_scaler": self})
+            self._unread_steps = True
             flags = list(state["found_inf_per_device"].values())
             self._skipped[id(optimizer)] = (
                 sum(flags) > 0 if flags else torch.tensor(False, device="cpu")
@@ -501,6 +509,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
             else:
                 optimizer.grad_scale = user
         self._skipped[id(optimizer)] = found_inf > 0  # type: ignore[operator]
+        self._unread_steps = True
         return retval
 
     @torch.compiler.disable
@@ -541,9 +550,10 @@ class ShardedGradScaler(torch.amp.GradScaler):
         trackers kept, as torch; the iteration is still counted, the collapse guard not run.
 
         The collapse guard and the rank-agreement check read the alarm on the host when a step
-        of this iteration read an overflow, and every ``POLL_EVERY`` updates otherwise (a
-        completed asynchronous copy, no wait): a collapse raises then, from this call (in
-        ``torch.compile``-d code, from the next eager call).
+        of this iteration read an overflow, and every ``POLL_EVERY`` updates while fused steps
+        run (by then long computed: no wait): a collapse raises from that call. Under
+        ``torch.compile`` (``fullgraph=True`` works) nothing is read: the next eager ``update``
+        does it.
 
         Raises:
             RuntimeError: no :meth:`step`/:meth:`unscale_`/``clip_grad_norm_`` since the last
@@ -591,14 +601,15 @@ class ShardedGradScaler(torch.amp.GradScaler):
             first = collapsed & (alarm[_COLLAPSE_STEP] < 0)
             record = torch.stack([last.step.to(alarm.dtype), last.scale.to(alarm.dtype)])
             alarm[:2] = torch.where(first, record, alarm[:2])
-        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+        self._per_optimizer_states = defaultdict(_fresh_state)
         self._pre_unscaled = {}
         self._last_report = None  # a mid-iteration report may miss optimizers stepped later
         if not torch.compiler.is_compiling():
             if last is not None and self._report_overflows and bool(last.found_inf > 0):
                 logger.warning("%s", self._build_report(last))
             self._updates_since_poll += 1
-            if self._host_overflow or self._updates_since_poll >= POLL_EVERY:
+            due = self._unread_steps and self._updates_since_poll >= POLL_EVERY
+            if self._host_overflow or due:
                 self._poll()
             self._host_overflow = False
 
@@ -622,7 +633,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
     def _poll(self) -> None:
         """Read the alarm (one host read); raise on a rank mismatch, raise or warn on a collapse
         (every rank polls at the same update, so the report is gathered over the ranks)."""
-        self._updates_since_poll = 0
+        self._updates_since_poll, self._unread_steps = 0, False
         alarm: torch.Tensor = self._alarm  # type: ignore[assignment]
         values = alarm.tolist()
         if values[_MISMATCH]:
@@ -1012,7 +1023,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         for key in ("_scale", "_growth_tracker", "_hysteresis_tracker", "_counters", "_alarm"):
             state[key] = None
         state.update(_last=None, _last_report=None, _skipped={}, _pre_unscaled={})
-        state["_per_optimizer_states"] = defaultdict(_refresh_per_optimizer_state)
+        state["_per_optimizer_states"] = defaultdict(_fresh_state)
         state["process_group"] = None  # process groups cannot be pickled (copies share it)
         state["_names"] = ParamNames()  # ids of this process's parameters: meaningless elsewhere
         return state
@@ -1051,7 +1062,10 @@ class ShardedGradScaler(torch.amp.GradScaler):
             )
         if self._scale is None:
             raise RuntimeError(f"{method}() was called before scale(): the order is {_ORDER}.")
-        return self._per_optimizer_states[id(optimizer)]
+        state = self._per_optimizer_states.get(id(optimizer))
+        if state is None:  # inserted explicitly: torch.compile loses a defaultdict's own insert
+            state = self._per_optimizer_states[id(optimizer)] = _fresh_state()
+        return state
 
     def _forget_if_untouched(self, optimizer: Any) -> None:
         """A failed call does not start an iteration for ``optimizer``."""
