@@ -75,7 +75,7 @@ def _snapshot(scaler: ShardedGradScaler, model: torch.nn.Module) -> dict[str, An
             for k, v in scaler._per_optimizer_states.items()
         },
         "config": scaler.config,
-        "skipped": {k: bool(v) for k, v in scaler._skipped.items()},
+        "skipped": {k: bool(v) for k, v in scaler._it.skipped.items()},
         "grads": [None if p.grad is None else p.grad.clone() for p in model.parameters()],
         "params": [p.detach().clone() for p in model.parameters()],
     }
@@ -603,7 +603,7 @@ def test_a_gradient_sharing_memory_is_refused_before_anything_is_written(bad_fir
         run()
     assert torch.equal(good.grad, torch.full((3,), 4.0))  # nothing was unscaled
     assert scaler.state_dict() == before and not scaler._per_optimizer_states
-    assert not scaler._pre_unscaled
+    assert not scaler._it.pre_unscaled
 
     bad.grad = torch.full((4, 4), 4.0)  # the fix the message names
     run()

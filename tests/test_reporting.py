@@ -577,9 +577,10 @@ def test_shallow_copy_keeps_names_and_old_pickles_load():
     assert shallow.overflow_report().names == ["bias", "weight"]
     # a scaler pickled by shardscale 0.1: other private attributes, names as {id: name}
     state = scaler.__getstate__()
-    for key in ("rank_local_params", "_pre_unscaled", "_skipped", "_alarm", "_counters"):
+    for key in ("rank_local_params", "_it", "_alarm", "_counters"):
         del state[key]  # attributes 0.1 did not have
     state.update(_state=None, _per_optimizer={}, _pending_collapse=[], _inv_cache=None)
+    state.update(_pre_unscaled={}, _skipped={}, _last=None)
     state["_names"] = {id(model.weight): "weight"}
     old = ShardedGradScaler.__new__(ShardedGradScaler)
     old.__setstate__(state)

@@ -262,3 +262,20 @@ def clip_unscaled(buckets: Buckets, p: float, max_norm: float, group: Any) -> to
     total, _ = global_norm(buckets, p, None, home, group)
     mul_all(buckets, clip_coef(total, max_norm))
     return total
+
+
+def norm_and_clip(
+    buckets: Buckets,
+    scale: torch.Tensor,
+    inv_scale: torch.Tensor,
+    p: float,
+    max_norm: float,
+    group: Any,
+    fused: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The whole clip of scaled gradients: ``(total norm, grad_scale for a fused kernel or
+    None, agreed found_inf)`` (:func:`global_norm`, :func:`clip_coef`, :func:`unscale_and_clip`)."""
+    total, found_inf = global_norm(buckets, p, inv_scale, scale.device, group)
+    coef = clip_coef(total, max_norm)
+    grad_scale, found_inf = unscale_and_clip(buckets, scale, inv_scale, coef, found_inf, fused)
+    return total, grad_scale, found_inf

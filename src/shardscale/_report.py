@@ -163,7 +163,7 @@ class ParamNames:
         return len(self.current())
 
 
-def param_names(source: torch.nn.Module | Mapping[str, torch.Tensor] | None) -> ParamNames:
+def name_params(source: torch.nn.Module | Mapping[str, torch.Tensor] | None) -> ParamNames:
     """:class:`ParamNames` from a module (read at report time) or a ``{name: param}`` map.
 
     Raises:

@@ -9,7 +9,6 @@ import logging
 import numbers
 import warnings
 import weakref
-from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any, overload
 
@@ -17,6 +16,7 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from . import _clip, _sync
+from ._alarm import Alarm
 from ._checkpoint import parse_state_dict, to_state_dict
 from ._config import (
     ScalerConfig,
@@ -33,8 +33,9 @@ from ._grads import (
     to_device,
     unscale_and_check,
 )
-from ._policy import COUNTER_NAMES, ScaleState, math_dtype, next_counters, next_state
-from ._report import OverflowReport, ParamNames, collapse_error, param_names, scan_local
+from ._iteration import Iteration, LastStep
+from ._policy import COUNTER_NAMES, ScaleState, next_counters, next_state
+from ._report import OverflowReport, ParamNames, collapse_error, name_params, scan_local
 
 logger = logging.getLogger("shardscale")
 
@@ -44,24 +45,6 @@ _ORDER = (
 #: update() calls between two reads of the alarm (a completed device-to-host copy) when steps
 #: ran whose found-inf flag the host never read (fused optimizers).
 POLL_EVERY = 16
-# slots of the alarm vector (see ShardedGradScaler._alarm)
-_COLLAPSE_STEP, _COLLAPSE_SCALE, _MISMATCH, _AGREED, _OWN_STEP, _OWN_COUNT = 0, 1, 2, 3, 8, 9
-
-
-@dataclasses.dataclass
-class _LastStep:
-    """What update() remembers of the iteration it closed (for reports and last_step_skipped)."""
-
-    step: torch.Tensor  # 0-d copy of the step counter: read only when reported
-    scale: torch.Tensor
-    found_inf: torch.Tensor
-    optimizers: list[weakref.ref]
-
-
-def _fresh_state() -> dict[str, Any]:
-    """One optimizer's record of the iteration, as torch's ``_refresh_per_optimizer_state``
-    (defined here: ``torch.compile`` does not trace a torch function that returns a dict)."""
-    return {"stage": OptState.READY, "found_inf_per_device": {}}
 
 
 def _is_optimizer(obj: object) -> bool:
@@ -72,32 +55,21 @@ class ShardedGradScaler(torch.amp.GradScaler):
     """Dynamic loss scaling for fp16/bf16 training, correct across shards and ranks.
 
     A ``torch.amp.GradScaler`` by type and by protocol (public API, ``state_dict`` keys, the
-    private state frameworks and ``grad_scaler=`` optimizers read), so swapping the import is
-    enough::
+    private state frameworks and ``grad_scaler=`` optimizers read): swapping the import is
+    enough. What differs from torch's scalers:
 
-        scaler = ShardedGradScaler()
-        for input, target in data:
-            optimizer.zero_grad()
-            loss = loss_fn(model(input), target)
-            scaler.scale(loss).backward()   # gradients are scaled by S
-            scaler.step(optimizer)          # unscale + inf/NaN check + ONE all-reduce; skip or step
-            scaler.update()                 # back off after an overflow, grow after
-                                            # growth_interval clean steps (see _policy.py)
-
-    What differs from torch's scalers:
-
-    * **Agreement.** Each optimizer's found-inf flag is all-reduced (MAX) across the process
-      group in exactly one collective per ``unscale_`` (per mesh dimension for a DeviceMesh), so
-      every rank skips the same steps; fused optimizers receive the agreed flag. The same
-      all-reduce carries the step count and the optimizer's parameter count, so ranks that call
-      the scaler differently get an error naming the mismatch instead of diverging.
-    * **Any gradient.** Plain tensors, FSDP2 DTensor shards (the local shard is unscaled), FSDP1
-      flat parameters, CPU-offloaded gradients next to device ones, fp32/fp16/bf16 and sparse
-      gradients, ranks holding no shard. The kernel is torch's on every device.
-    * **Bounded scale** in ``[min_scale, max_scale]``, optional hysteresis (Megatron-LM,
-      DeepSpeed), a collapse guard raising :class:`ScaleCollapseError`, skip counters,
-      :meth:`metrics`, :meth:`last_step_skipped`, :meth:`overflow_report` and
-      :meth:`clip_grad_norm_` (one read pass, one all-reduce).
+    * **Agreement.** Each optimizer's found-inf flag is all-reduced (MAX) in exactly one
+      collective per ``unscale_`` (one per mesh dimension for a DeviceMesh), so every rank skips
+      the same steps; fused optimizers receive the agreed flag. The same all-reduce carries the
+      step count and the optimizer's parameter count: ranks that call the scaler differently
+      get an error naming the mismatch instead of diverging.
+    * **Any gradient.** Plain, FSDP2 DTensor shards (the local shard is unscaled), FSDP1 flat
+      parameters, CPU-offloaded next to device ones, fp32/fp16/bf16, sparse, ranks holding no
+      shard. The kernel is torch's on every device.
+    * **Bounded scale** in ``[min_scale, max_scale]``, hysteresis (Megatron-LM, DeepSpeed), a
+      collapse guard raising :class:`ScaleCollapseError`, :meth:`metrics`,
+      :meth:`last_step_skipped`, :meth:`overflow_report`, :meth:`clip_grad_norm_` (one read
+      pass, one all-reduce).
 
     Host reads: ``scale``, ``unscale_`` and ``clip_grad_norm_`` make none; ``step`` one per
     non-fused optimizer (to decide whether to call ``optimizer.step()``), none for fused
@@ -107,10 +79,9 @@ class ShardedGradScaler(torch.amp.GradScaler):
     and every ``POLL_EVERY`` (16) updates while fused steps run (their flags are never read).
     ``scale``, ``update`` and a whole train step compile with ``torch.compile``.
 
-    .. note:: Low-precision gradients unscaled in place lose values below the dtype's range (an
-       fp16 gradient of 1e-8 becomes 0). With a fused optimizer and no explicit ``unscale_``,
-       the unscale is folded into the kernel's fp32 math and such values survive. Otherwise,
-       reduce gradients in fp32 (FSDP2 ``MixedPrecisionPolicy(reduce_dtype=torch.float32)``).
+    .. note:: fp16 gradients unscaled in place lose values below fp16's range; a fused
+       optimizer without ``unscale_`` unscales in its fp32 math and keeps them. Otherwise reduce
+       gradients in fp32 (FSDP2 ``MixedPrecisionPolicy(reduce_dtype=torch.float32)``).
 
     Args:
         device: as ``torch.amp.GradScaler``'s; the scale lives on the device of the first tensor
@@ -188,7 +159,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         ):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {flag!r}.")
-        names = param_names_from(param_names)
+        names = name_params(param_names)
         # Validated. torch's GradScaler.__init__ is not called (with device="cuda" on a machine
         # without CUDA it disables the scaler): every attribute it sets is set here.
         self._device = device_type
@@ -198,28 +169,18 @@ class ShardedGradScaler(torch.amp.GradScaler):
         self._init_growth_tracker = 0
         self._scale: torch.Tensor | None = None
         self._growth_tracker: torch.Tensor | None = None
-        self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_fresh_state)
         # shardscale's state: the rest of ScaleState, created with _scale
         self._init_hysteresis_tracker = config.hysteresis
         self._init_counters: tuple[int, ...] = (0,) * len(COUNTER_NAMES)
         self._hysteresis_tracker: torch.Tensor | None = None
         self._counters: torch.Tensor | None = None
-        #: float64 on the scale's device, written by device ops, read by _poll(): [step of a
-        #: collapse or -1, its scale, 1 if ranks disagreed, the agreement vector (5), own step,
-        #: own parameter count]
-        self._alarm: torch.Tensor | None = None
+        self._alarm: Alarm | None = None  # what the device noticed, for the host to read
         self.process_group = process_group
         self.rank_local_params = rank_local_params
         self._report_overflows = report_overflows
         self._names = names
-        #: id(param) -> agreed found_inf, for gradients unscaled by clip_grad_norm_(params)
-        self._pre_unscaled: dict[int, torch.Tensor] = {}
-        self._skipped: dict[int, torch.Tensor] = {}
-        self._last: _LastStep | None = None
+        self._it = Iteration()  # the record of this iteration and of the last one
         self._last_report: OverflowReport | None = None
-        self._host_overflow = False  # a non-fused step of this iteration read an overflow
-        self._unread_steps = False  # a step whose flag the host did not read, since the last poll
-        self._updates_since_poll = 0
 
     @classmethod
     def guard(
@@ -231,30 +192,25 @@ class ShardedGradScaler(torch.amp.GradScaler):
         kwargs.setdefault("init_scale", 1.0)
         return cls(process_group=process_group, dynamic=False, **kwargs)
 
-    # ---------------------------------------------------------- torch's attributes
-    @property
-    def _growth_factor(self) -> float:  # type: ignore[override]
-        return self._config.growth_factor
-
-    @_growth_factor.setter
-    def _growth_factor(self, value: float) -> None:
-        self.set_growth_factor(value)
-
-    @property
-    def _backoff_factor(self) -> float:  # type: ignore[override]
-        return self._config.backoff_factor
-
-    @_backoff_factor.setter
-    def _backoff_factor(self, value: float) -> None:
-        self.set_backoff_factor(value)
+    # torch's attributes for the policy, read and written through the config
+    _growth_factor = property(
+        lambda self: self._config.growth_factor, lambda self, v: self.set_growth_factor(v)
+    )
+    _backoff_factor = property(
+        lambda self: self._config.backoff_factor, lambda self, v: self.set_backoff_factor(v)
+    )
+    _growth_interval = property(
+        lambda self: self._config.growth_interval, lambda self, v: self.set_growth_interval(v)
+    )
 
     @property
-    def _growth_interval(self) -> int:  # type: ignore[override]
-        return self._config.growth_interval
+    def _per_optimizer_states(self) -> dict[int, dict[str, Any]]:  # type: ignore[override]
+        """torch's per-optimizer records of this iteration (see :mod:`shardscale._iteration`)."""
+        return self._it.states
 
-    @_growth_interval.setter
-    def _growth_interval(self, value: int) -> None:
-        self.set_growth_interval(value)
+    @_per_optimizer_states.setter
+    def _per_optimizer_states(self, value: dict[int, dict[str, Any]]) -> None:
+        self._it.states = value
 
     def _lazy_init_scale_growth_tracker(self, dev: torch.device | str) -> None:
         """Create the scale state on ``dev`` (as torch's method; also public in effect: call it
@@ -271,8 +227,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         )
         self._scale, self._growth_tracker = state.scale, state.growth_tracker
         self._hysteresis_tracker, self._counters = state.hysteresis_tracker, state.counters
-        self._alarm = torch.zeros(10, dtype=math_dtype(state.scale.device), device=dev)
-        self._alarm[_COLLAPSE_STEP] = -1
+        self._alarm = Alarm(state.scale.device)
 
     def _state(self) -> ScaleState:
         return ScaleState(
@@ -348,7 +303,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
             )
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError(f"unscale_() is being called after step(); the order is {_ORDER}.")
-        self._agree(optimizer, state, self._inv_scale())
+        self._agree(optimizer, self._inv_scale())
         state["stage"] = OptState.UNSCALED
 
     def _inv_scale(self) -> torch.Tensor:
@@ -370,7 +325,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         out. ``allow_fp16=False`` refuses fp16 gradients, as torch."""
         params = list(iter_params(optimizer))
         try:
-            buckets = bucket_grads(params, skip=self._pre_unscaled)
+            buckets = bucket_grads(params, skip=self._it.pre_unscaled)
         except SharedMemoryGradError as e:
             raise e.naming(self._names.current(), params) from None
         if not allow_fp16 and any(torch.float16 in b for b in buckets.values()):
@@ -380,27 +335,25 @@ class ShardedGradScaler(torch.amp.GradScaler):
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, torch.Tensor]:
         """torch's check without unscaling: records and returns ``optimizer``'s agreed
         ``{scale device: found_inf}`` (one all-reduce, as :meth:`unscale_`)."""
-        state = self._opt_state("_check_inf_per_device", optimizer)
-        return self._agree(optimizer, state, torch.ones_like(self._scale))  # type: ignore[arg-type]
+        self._opt_state("_check_inf_per_device", optimizer)
+        return self._agree(optimizer, torch.ones_like(self._scale))  # type: ignore[arg-type]
 
     def _agree(
-        self, optimizer: torch.optim.Optimizer, state: dict[str, Any], inv_scale: torch.Tensor
+        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor
     ) -> dict[Any, torch.Tensor]:
         """Local unscale/check, then the single all-reduce; stores and returns the agreed flag
         as ``state["found_inf_per_device"]``. On error the optimizer's iteration is not started.
 
         The all-reduce carries ``[found_inf, step, -step, n, -n]`` (:func:`_sync.agree`): ranks
-        at different steps or reducing different optimizers' flags make the flag 1 (the step is
-        skipped) and raise when it is next read on the host (:meth:`_maybe_opt_step`, or the
-        alarm read by :meth:`update`)."""
+        at different steps or reducing different optimizers' flags set the flag (the step is
+        skipped) and the alarm, read by :meth:`update`, raises naming the mismatch."""
         scale: torch.Tensor = self._scale  # type: ignore[assignment]
         home = scale.device
         try:
             zero = torch.zeros((), dtype=torch.float32, device=home)
             local = combine_flags(self._unscale_grads_(optimizer, inv_scale, zero, True), home)
-            for p in iter_params(optimizer):  # gradients clip_grad_norm_(params) unscaled
-                if id(p) in self._pre_unscaled:
-                    local = torch.maximum(local, self._pre_unscaled[id(p)])
+            for flag in self._it.pre_unscaled_in(optimizer):  # unscaled by clip_grad_norm_
+                local = torch.maximum(local, flag)
             groups = _sync.resolve_groups(self.process_group)
             if groups:
                 count = (
@@ -408,23 +361,15 @@ class ShardedGradScaler(torch.amp.GradScaler):
                     if self.rank_local_params
                     else sum(len(g["params"]) for g in optimizer.param_groups)
                 )
-                agreed = _sync.agree(local, self._counters[0], count, groups)  # type: ignore[arg-type]
+                step = self._counters[0]  # type: ignore[index]
+                agreed = _sync.agree(local, step, count, groups)
                 bad = _sync.mismatch(agreed)
-                alarm: torch.Tensor = self._alarm  # type: ignore[assignment]
-                first = bad & (alarm[_MISMATCH] == 0)
-                record = torch.cat([alarm.new_ones(1), agreed.to(alarm.dtype)])
-                record = torch.cat(
-                    [record, self._counters[:1].to(alarm.dtype), alarm.new_full((1,), count)]
-                )  # type: ignore[index]
-                alarm.copy_(torch.where(first, torch.cat([alarm[:2], record]), alarm))
+                self._alarm.note_mismatch(bad, agreed, step, count)  # type: ignore[union-attr]
                 local = torch.maximum(agreed[0], bad.float())
-                state["agreement"] = agreed
         except BaseException:
-            self._forget_if_untouched(optimizer)
+            self._it.forget_if_untouched(optimizer)
             raise
-        state["found_inf_per_device"] = {home: local}
-        state["optimizer"] = weakref.ref(optimizer)
-        return state["found_inf_per_device"]
+        return self._it.checked(optimizer, local)["found_inf_per_device"]
 
     # ------------------------------------------------------------------- step
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -473,14 +418,12 @@ class ShardedGradScaler(torch.amp.GradScaler):
                 FutureWarning,
                 stacklevel=2,
             )
-            self._per_optimizer_states[id(optimizer)] = state
             state["optimizer"] = weakref.ref(optimizer)
             retval = optimizer.step(*args, **{**kwargs, "grad_scaler": self})
-            self._unread_steps = True
+            self._it.unread_steps = True
             flags = list(state["found_inf_per_device"].values())
-            self._skipped[id(optimizer)] = (
-                sum(flags) > 0 if flags else torch.tensor(False, device="cpu")
-            )  # type: ignore[assignment]
+            skipped = sum(flags) > 0 if flags else torch.tensor(False, device="cpu")
+            self._it.skipped[id(optimizer)] = skipped  # type: ignore[assignment]
         else:
             retval = self._fused_step(optimizer, state, *args, **kwargs)
         state["stage"] = OptState.STEPPED
@@ -490,7 +433,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         """Hand ``grad_scale`` and the agreed ``found_inf`` to a fused optimizer's kernel."""
         scale: torch.Tensor = self._scale  # type: ignore[assignment]
         if state["stage"] is OptState.READY:
-            if any(id(p) in self._pre_unscaled for p in iter_params(optimizer)):
+            if self._it.pre_unscaled_in(optimizer):
                 self.unscale_(optimizer)  # part is unscaled already: unscale the rest in place
             else:
                 self._check_inf_per_device(optimizer)  # check only: the kernel unscales
@@ -508,8 +451,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
                 del optimizer.grad_scale
             else:
                 optimizer.grad_scale = user
-        self._skipped[id(optimizer)] = found_inf > 0  # type: ignore[operator]
-        self._unread_steps = True
+        self._it.skipped[id(optimizer)] = found_inf > 0  # type: ignore[operator]
+        self._it.unread_steps = True
         return retval
 
     @torch.compiler.disable
@@ -520,22 +463,13 @@ class ShardedGradScaler(torch.amp.GradScaler):
         *args: Any,
         **kwargs: Any,
     ) -> Any:
-        """The one host read of a non-fused step (kept out of ``torch.compile`` graphs): the
-        agreed flag (with the agreement vector); ``optimizer.step`` only if no rank overflowed."""
-        agreed = optimizer_state.get("agreement")
+        """The one host read of a non-fused step (kept out of ``torch.compile`` graphs):
+        ``optimizer.step`` only if no rank overflowed. An overflow (or a rank mismatch, which
+        sets the flag too) has ``update`` read the alarm in this iteration."""
         flags = list(optimizer_state["found_inf_per_device"].values())
-        if agreed is not None:
-            values = agreed.tolist()
-            if values[1] != -values[2] or values[3] != -values[4]:
-                own = sum(len(g["params"]) for g in optimizer.param_groups)
-                raise RuntimeError(
-                    _sync.mismatch_message(values, int(self._counters[0]), own, _sync.rank())  # type: ignore[index]
-                )
-            overflow = values[0] > 0
-        else:
-            overflow = bool(sum(f.item() for f in flags))
-        self._skipped[id(optimizer)] = torch.tensor(overflow, device="cpu")
-        self._host_overflow = self._host_overflow or overflow
+        overflow = bool(sum(f.item() for f in flags))
+        self._it.skipped[id(optimizer)] = torch.tensor(overflow, device="cpu")
+        self._it.host_overflow = self._it.host_overflow or overflow
         return None if overflow else optimizer.step(*args, **kwargs)
 
     # ----------------------------------------------------------------- update
@@ -567,51 +501,33 @@ class ShardedGradScaler(torch.amp.GradScaler):
         if self._scale is None:
             raise RuntimeError(f"update() was called before scale(); the order is {_ORDER}.")
         value = None if new_scale is None else self._check_new_scale(new_scale)  # validate first
-        home = self._scale.device
-        states = [s for s in self._per_optimizer_states.values() if s["found_inf_per_device"]]
-        flags = [to_device(f, home) for s in states for f in s["found_inf_per_device"].values()]
-        if not flags:  # only clip_grad_norm_(params) ran: its checks are the iteration's
-            flags = list({id(f): f for f in self._pre_unscaled.values()}.values())
-        if not flags and value is None:
+        if not self._it.checks()[0] and value is None:
             raise RuntimeError(
                 "update() was called but no optimizer was stepped or unscaled since the last "
                 f"update(); the order is {_ORDER}."
             )
         state = self._state()
-        last = None
-        if flags:
-            found_inf = flags[0]
-            for flag in flags[1:]:
-                found_inf = found_inf + flag
-            refs = [s["optimizer"] for s in states if "optimizer" in s]
-            last = _LastStep(state.counters[0].clone(), state.scale.clone(), found_inf, refs)
-            self._last = last
+        last = self._it.close(state.counters, state.scale)
         if value is not None:
             if last is not None:
                 target = torch.full_like(state.scale, value)
-                state.counters.copy_(
-                    next_counters(state.counters, last.found_inf, state.scale, target)
-                )
+                counted = next_counters(state.counters, last.found_inf, state.scale, target)
+                state.counters.copy_(counted)
             state.scale.fill_(value)
         else:
             assert last is not None
             new, collapsed = next_state(state, last.found_inf, self._config)
             state.copy_from(new)
-            alarm: torch.Tensor = self._alarm  # type: ignore[assignment]
-            first = collapsed & (alarm[_COLLAPSE_STEP] < 0)
-            record = torch.stack([last.step.to(alarm.dtype), last.scale.to(alarm.dtype)])
-            alarm[:2] = torch.where(first, record, alarm[:2])
-        self._per_optimizer_states = defaultdict(_fresh_state)
-        self._pre_unscaled = {}
+            self._alarm.note_collapse(collapsed, last.step, last.scale)  # type: ignore[union-attr]
         self._last_report = None  # a mid-iteration report may miss optimizers stepped later
         if not torch.compiler.is_compiling():
+            it = self._it
             if last is not None and self._report_overflows and bool(last.found_inf > 0):
                 logger.warning("%s", self._build_report(last))
-            self._updates_since_poll += 1
-            due = self._unread_steps and self._updates_since_poll >= POLL_EVERY
-            if self._host_overflow or due:
+            it.updates_since_poll += 1
+            if it.host_overflow or (it.unread_steps and it.updates_since_poll >= POLL_EVERY):
                 self._poll()
-            self._host_overflow = False
+            it.host_overflow = False
 
     def _check_new_scale(self, new_scale: object) -> float:
         if isinstance(new_scale, torch.Tensor):
@@ -631,31 +547,14 @@ class ShardedGradScaler(torch.amp.GradScaler):
         return check_scale("new_scale", new_scale, self._config.min_scale, self._config.max_scale)
 
     def _poll(self) -> None:
-        """Read the alarm (one host read); raise on a rank mismatch, raise or warn on a collapse
+        """Read the alarm (one host read): raise on a rank mismatch, raise or warn on a collapse
         (every rank polls at the same update, so the report is gathered over the ranks)."""
-        self._updates_since_poll, self._unread_steps = 0, False
-        alarm: torch.Tensor = self._alarm  # type: ignore[assignment]
-        values = alarm.tolist()
-        if values[_MISMATCH]:
-            raise RuntimeError(
-                _sync.mismatch_message(
-                    values[_AGREED:_OWN_STEP],
-                    int(values[_OWN_STEP]),
-                    int(values[_OWN_COUNT]),
-                    _sync.rank(),
-                )
-            )
-        if values[_COLLAPSE_STEP] < 0:
+        self._it.updates_since_poll, self._it.unread_steps = 0, False
+        collapse = self._alarm.read(_sync.rank())  # type: ignore[union-attr]
+        if collapse is None:
             return
-        alarm[_COLLAPSE_STEP] = -1  # warn mode: the next collapse is recorded again
-        optimizers = (
-            [o for o in (r() for r in self._last.optimizers) if o is not None] if self._last else []
-        )
-        entries = scan_local(optimizers, self._names, _sync.rank())
-        entries = _sync.gather_objects(entries, _sync.resolve_groups(self.process_group))
-        entries.sort(key=lambda e: (e.rank, e.name))
-        step, scale = int(values[_COLLAPSE_STEP]), values[_COLLAPSE_SCALE]
-        error = collapse_error(self._config, step, scale, entries, _sync.rank())
+        entries = self._scan(self._it.last.live_optimizers() if self._it.last else [])
+        error = collapse_error(self._config, *collapse, entries, _sync.rank())
         if self._config.on_collapse == "raise":
             raise error
         warnings.warn(str(error), RuntimeWarning, stacklevel=3)
@@ -728,7 +627,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         if not is_opt:
             return self._clip_params(buckets, params, p, max_norm_f, group)
         optimizer: Any = optimizer_or_params
-        if any(id(q) in self._pre_unscaled for q in params):
+        if any(id(q) in self._it.pre_unscaled for q in params):
             raise RuntimeError(
                 "clip_grad_norm_(optimizer) was called after clip_grad_norm_(params) on some of "
                 "its parameters in this iteration; clip either the optimizer or parameter lists, "
@@ -736,7 +635,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
             )
         state = self._opt_state("clip_grad_norm_", optimizer)
         if state["stage"] is not OptState.READY:
-            self._forget_if_untouched(optimizer)
+            self._it.forget_if_untouched(optimizer)
             done = (
                 "unscale_() or clip_grad_norm_()"
                 if state["stage"] is OptState.UNSCALED
@@ -754,22 +653,16 @@ class ShardedGradScaler(torch.amp.GradScaler):
                 buckets, p, max_norm_f, group, fused
             )
         except BaseException:
-            self._forget_if_untouched(optimizer)
+            self._it.forget_if_untouched(optimizer)
             raise
-        state["found_inf_per_device"] = {found_inf.device: found_inf}
-        state["optimizer"] = weakref.ref(optimizer)
-        state["stage"] = OptState.UNSCALED
+        self._it.checked(optimizer, found_inf)["stage"] = OptState.UNSCALED
         return total
 
     def _norm_and_clip(
         self, buckets: _clip.Buckets, p: float, max_norm: float, group: Any, fused: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         scale: torch.Tensor = self._scale  # type: ignore[assignment]
-        inv = self._inv_scale()
-        total, found_inf = _clip.global_norm(buckets, p, inv, scale.device, group)
-        coef = _clip.clip_coef(total, max_norm)
-        grad_scale, found_inf = _clip.unscale_and_clip(buckets, scale, inv, coef, found_inf, fused)
-        return total, grad_scale, found_inf
+        return _clip.norm_and_clip(buckets, scale, self._inv_scale(), p, max_norm, group, fused)
 
     def _clip_params(
         self,
@@ -780,7 +673,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         group: Any,
     ) -> torch.Tensor:
         ids = {id(q) for q in params}
-        if ids & self._pre_unscaled.keys():
+        if ids & self._it.pre_unscaled.keys():
             raise RuntimeError(
                 "clip_grad_norm_() was already called on some of these parameters in this "
                 "iteration (their gradients are unscaled); clip each parameter once per iteration."
@@ -797,7 +690,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
                     )
         total, _, found_inf = self._norm_and_clip(buckets, p, max_norm, group, fused=False)
         for q in params:
-            self._pre_unscaled[id(q)] = found_inf
+            self._it.pre_unscaled[id(q)] = found_inf
         return total
 
     # ------------------------------------------------------------- reporting
@@ -817,13 +710,13 @@ class ShardedGradScaler(torch.amp.GradScaler):
         if not self._enabled:
             return torch.tensor(False, device="cpu")
         if optimizer is not None:
-            flag = self._skipped.get(id(optimizer))
+            flag = self._it.skipped.get(id(optimizer))
             if flag is None:
                 raise RuntimeError("last_step_skipped(): this optimizer has not been stepped yet.")
             return flag
-        if self._last is None:
+        if self._it.last is None:
             raise RuntimeError("last_step_skipped(): update() has not been called yet.")
-        return self._last.found_inf > 0
+        return self._it.last.found_inf > 0
 
     def metrics(self) -> dict[str, float | int]:
         """Plain numbers for loggers: ``scale``, ``growth_tracker``, ``hysteresis_tracker``,
@@ -833,26 +726,13 @@ class ShardedGradScaler(torch.amp.GradScaler):
         if not self._enabled:
             values = [1.0, 0, 0, *(0,) * len(COUNTER_NAMES), 0]
         elif self._scale is None:
-            values = [
-                self._init_scale,
-                self._init_growth_tracker,
-                self._init_hysteresis_tracker,
-                *self._init_counters,
-                0,
-            ]
+            init = (self._init_scale, self._init_growth_tracker, self._init_hysteresis_tracker)
+            values = [*init, *self._init_counters, 0]
         else:
             s = self._state()
-            last = self._last.found_inf if self._last is not None else torch.zeros_like(s.scale)
-            parts = [
-                s.scale,
-                s.growth_tracker,
-                s.hysteresis_tracker,
-                s.counters,
-                to_device(last, s.scale.device),
-            ]
-            values = torch.cat(
-                [t.double().reshape(-1) for t in parts]
-            ).tolist()  # the one host read
+            last = self._it.last.found_inf if self._it.last else torch.zeros_like(s.scale)
+            parts = [*dataclasses.astuple(s), to_device(last, s.scale.device)]
+            values = torch.cat([t.double().reshape(-1) for t in parts]).tolist()  # one read
         out: dict[str, float | int] = {"scale": float(values[0])}
         names = ("growth_tracker", "hysteresis_tracker", *COUNTER_NAMES)
         out.update({name: int(v) for name, v in zip(names, values[1:], strict=False)})
@@ -864,7 +744,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         their parameters when a report is built) or a ``{name: parameter}`` map. ``copy.
         deepcopy`` of the scaler after its model in the same call follows the copied model;
         pickling drops the names (call this again after loading)."""
-        self._names = param_names_from(source)
+        self._names = name_params(source)
 
     def overflow_report(self) -> OverflowReport | None:
         """Where the non-finite gradients of the last stepped iteration were, on every rank.
@@ -874,15 +754,13 @@ class ShardedGradScaler(torch.amp.GradScaler):
         :meth:`update` and before ``zero_grad()``. Returns None without scanning when the
         iteration was clean (one host read to know).
         """
-        live = [s for s in self._per_optimizer_states.values() if s["found_inf_per_device"]]
-        if live:
-            flags = [f for s in live for f in s["found_inf_per_device"].values()]
+        flags, refs = self._it.checks()
+        if flags:  # mid-iteration: what was checked so far
             scale: torch.Tensor = self._scale  # type: ignore[assignment]
-            refs = [s["optimizer"] for s in live if "optimizer" in s]
             found = sum(to_device(f, scale.device) for f in flags)
-            last = _LastStep(self._counters[0].clone(), scale.clone(), found, refs)  # type: ignore[index,arg-type]
-        elif self._last is not None:
-            last = self._last
+            last = LastStep(self._counters[0].clone(), scale.clone(), found, refs)  # type: ignore[index,arg-type]
+        elif self._it.last is not None:
+            last = self._it.last
         else:
             return None
         if not bool(last.found_inf > 0):  # the one host read
@@ -891,13 +769,16 @@ class ShardedGradScaler(torch.amp.GradScaler):
             return self._last_report
         return self._build_report(last)
 
-    def _build_report(self, last: _LastStep) -> OverflowReport:
-        optimizers = [o for o in (r() for r in last.optimizers) if o is not None]
-        entries = scan_local(optimizers, self._names, _sync.rank())
-        entries = _sync.gather_objects(entries, _sync.resolve_groups(self.process_group))
-        entries.sort(key=lambda e: (e.rank, e.name))
+    def _build_report(self, last: LastStep) -> OverflowReport:
+        entries = self._scan(last.live_optimizers())
         self._last_report = OverflowReport(int(last.step), float(last.scale), tuple(entries))
         return self._last_report
+
+    def _scan(self, optimizers: list[Any]) -> list[Any]:
+        """The non-finite gradients of ``optimizers`` on every rank (collective: a gather)."""
+        entries = scan_local(optimizers, self._names, _sync.rank())
+        entries = _sync.gather_objects(entries, _sync.resolve_groups(self.process_group))
+        return sorted(entries, key=lambda e: (e.rank, e.name))
 
     # ------------------------------------------------------- getters/setters
     def get_scale(self) -> float:
@@ -978,7 +859,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         """
         if not self._enabled:
             return
-        if self._mid_iteration():
+        if self._it.started():
             raise RuntimeError(
                 "load_state_dict() was called in the middle of an iteration (after unscale_/step, "
                 "before update()); load the state at an iteration boundary."
@@ -1002,14 +883,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
         if fresh is not None:
             self._state().copy_from(fresh)
 
-    def _mid_iteration(self) -> bool:
-        return bool(self._pre_unscaled) or any(
-            s["stage"] is not OptState.READY or s["found_inf_per_device"]
-            for s in self._per_optimizer_states.values()
-        )
-
     def __getstate__(self) -> dict[str, Any]:
-        if self._mid_iteration():
+        if self._it.started():
             raise RuntimeError(
                 "A ShardedGradScaler may only be pickled at an iteration boundary (before scale() "
                 "or after update())."
@@ -1022,8 +897,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
             state["_init_counters"] = tuple(m[n] for n in COUNTER_NAMES)
         for key in ("_scale", "_growth_tracker", "_hysteresis_tracker", "_counters", "_alarm"):
             state[key] = None
-        state.update(_last=None, _last_report=None, _skipped={}, _pre_unscaled={})
-        state["_per_optimizer_states"] = defaultdict(_fresh_state)
+        state.update(_it=Iteration(), _last_report=None)
         state["process_group"] = None  # process groups cannot be pickled (copies share it)
         state["_names"] = ParamNames()  # ids of this process's parameters: meaningless elsewhere
         return state
@@ -1062,25 +936,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
             )
         if self._scale is None:
             raise RuntimeError(f"{method}() was called before scale(): the order is {_ORDER}.")
-        state = self._per_optimizer_states.get(id(optimizer))
-        if state is None:  # inserted explicitly: torch.compile loses a defaultdict's own insert
-            state = self._per_optimizer_states[id(optimizer)] = _fresh_state()
-        return state
-
-    def _forget_if_untouched(self, optimizer: Any) -> None:
-        """A failed call does not start an iteration for ``optimizer``."""
-        state = self._per_optimizer_states.get(id(optimizer))
-        if (
-            state is not None
-            and state["stage"] is OptState.READY
-            and not state["found_inf_per_device"]
-        ):
-            del self._per_optimizer_states[id(optimizer)]
-
-
-def param_names_from(source: torch.nn.Module | Mapping[str, torch.Tensor] | None) -> ParamNames:
-    """:class:`ParamNames` from a module, a ``{name: parameter}`` map, or None (no names)."""
-    return param_names(source)
+        return self._it.record(optimizer)
 
 
 def _first_tensor(outputs: object) -> torch.Tensor:

@@ -1,0 +1,130 @@
+"""The record of one iteration: what each optimizer did between two ``update()`` calls, and
+what the last ``update()`` closed.
+
+Each optimizer's record is torch's (``GradScaler._per_optimizer_states[id(opt)]``: ``"stage"``,
+an ``OptState``, and ``"found_inf_per_device"``, ``{device: 0-d float32 flag}``), so frameworks
+and ``grad_scaler=`` optimizers that read or write it see the truth; shardscale adds
+``"optimizer"`` (a weak reference) and ``"grad_scale"`` (what a fused kernel divides by).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch.amp.grad_scaler import OptState
+
+from ._grads import iter_params, to_device
+
+
+def fresh_state() -> dict[str, Any]:
+    """One optimizer's record, as torch's ``_refresh_per_optimizer_state`` (defined here:
+    ``torch.compile`` does not trace a torch function that returns a dict)."""
+    return {"stage": OptState.READY, "found_inf_per_device": {}}
+
+
+@dataclasses.dataclass
+class LastStep:
+    """What ``update()`` remembers of the iteration it closed (reports, ``last_step_skipped``).
+
+    Attributes:
+        step: 0-d int64, ``update()`` calls before it (read only when reported).
+        scale: 0-d float32, the scale its gradients were computed with.
+        found_inf: 0-d float32, the number of optimizers that overflowed (agreed).
+        optimizers: weak references to the optimizers stepped or unscaled.
+    """
+
+    step: torch.Tensor
+    scale: torch.Tensor
+    found_inf: torch.Tensor
+    optimizers: list[weakref.ref]
+
+    def live_optimizers(self) -> list[Any]:
+        return [o for o in (r() for r in self.optimizers) if o is not None]
+
+
+@dataclasses.dataclass
+class Iteration:
+    """The scaler's bookkeeping between updates. Plain attributes; no tensor is read here.
+
+    Attributes:
+        states: torch's per-optimizer records, by ``id(optimizer)``.
+        pre_unscaled: ``id(param) -> agreed flag`` for gradients ``clip_grad_norm_(params)``
+            unscaled this iteration (their optimizer leaves them alone).
+        skipped: ``id(optimizer) -> 0-d bool``: whether its last step was skipped.
+        last: the iteration the last ``update()`` closed.
+        host_overflow: a step of this iteration read an overflow on the host.
+        unread_steps: fused steps ran whose flags the host never read (since the last poll).
+        updates_since_poll: ``update()`` calls since the alarm was last read.
+    """
+
+    states: dict[int, dict[str, Any]] = dataclasses.field(
+        default_factory=lambda: defaultdict(fresh_state)
+    )
+    pre_unscaled: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    skipped: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    last: LastStep | None = None
+    host_overflow: bool = False
+    unread_steps: bool = False
+    updates_since_poll: int = 0
+
+    def record(self, optimizer: Any) -> dict[str, Any]:
+        """``optimizer``'s record, created READY if new (inserted explicitly: ``torch.compile``
+        loses a defaultdict's own insert)."""
+        state = self.states.get(id(optimizer))
+        if state is None:
+            state = self.states[id(optimizer)] = fresh_state()
+        return state
+
+    def checked(self, optimizer: Any, flag: torch.Tensor) -> dict[str, Any]:
+        """Record ``optimizer``'s agreed ``flag`` (0-d float32 on the scale's device)."""
+        state = self.record(optimizer)
+        state["found_inf_per_device"] = {flag.device: flag}
+        state["optimizer"] = weakref.ref(optimizer)
+        return state
+
+    def forget_if_untouched(self, optimizer: Any) -> None:
+        """A failed call does not start an iteration for ``optimizer``."""
+        state = self.states.get(id(optimizer))
+        if state is not None and state["stage"] is OptState.READY:
+            if not state["found_inf_per_device"]:
+                del self.states[id(optimizer)]
+
+    def started(self) -> bool:
+        """Whether anything was unscaled, checked or stepped since the last update."""
+        return bool(self.pre_unscaled) or any(
+            s["stage"] is not OptState.READY or s["found_inf_per_device"]
+            for s in self.states.values()
+        )
+
+    def pre_unscaled_in(self, optimizer: Any) -> list[torch.Tensor]:
+        """The agreed flags of ``optimizer``'s gradients ``clip_grad_norm_(params)`` unscaled."""
+        pre = self.pre_unscaled
+        return [pre[id(p)] for p in iter_params(optimizer) if id(p) in pre] if pre else []
+
+    def checks(self) -> tuple[list[torch.Tensor], list[weakref.ref]]:
+        """The iteration's inf checks: every recorded flag, and the optimizers they belong to.
+        When only ``clip_grad_norm_(params)`` ran, its flags (as torch's update after
+        ``unscale_`` alone: the checks made are what counts)."""
+        live = [s for s in self.states.values() if s["found_inf_per_device"]]
+        flags = [f for s in live for f in s["found_inf_per_device"].values()]
+        if not flags:
+            flags = list({id(f): f for f in self.pre_unscaled.values()}.values())
+        return flags, [s["optimizer"] for s in live if "optimizer" in s]
+
+    def close(self, counters: torch.Tensor, scale: torch.Tensor) -> LastStep | None:
+        """End the iteration: its :class:`LastStep` (None if nothing was checked), the records
+        cleared for the next one. No host read."""
+        flags, refs = self.checks()
+        last = None
+        if flags:
+            found_inf = to_device(flags[0], scale.device)
+            for flag in flags[1:]:
+                found_inf = found_inf + to_device(flag, scale.device)
+            last = self.last = LastStep(counters[0].clone(), scale.clone(), found_inf, refs)
+        self.states = defaultdict(fresh_state)
+        self.pre_unscaled = {}
+        return last
