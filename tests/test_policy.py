@@ -2,7 +2,7 @@
 
 Expected scale sequences are written out literally (computed by hand from the rules of
 Megatron-LM's ``DynamicGradScaler`` and DeepSpeed's ``DynamicLossScaler``); the pure rule
-``next_state`` is compared step by step with the Python ``reference_step`` (hypothesis) and, for
+``next_state`` is compared step by step with the Python oracle ``reference_step`` (``tests/_oracle.py``, hypothesis) and, for
 ``hysteresis=1``, with torch's own ``torch._amp_update_scale_`` kernel, bit for bit.
 """
 

@@ -3,7 +3,7 @@
 2 gloo ranks, seeded: random policies, fp32/fp16/bf16 parameters split between a fused AdamW
 and a plain SGD, gradient accumulation, per-rank random ``unscale_`` use and inf/NaN injected on
 random ranks and parameters. Every step checks the skip decisions against the injected pattern,
-the scale/trackers/counters against ``shardscale.reference_step``, and bitwise cross-rank
+the scale/trackers/counters against the policy oracle (``tests/_oracle.py``), and bitwise cross-rank
 agreement of skip flags, scale and parameters (see the module docstring of the script).
 The long version: ``python benchmarks/stress.py --steps 10000``.
 """
