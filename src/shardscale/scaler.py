@@ -317,7 +317,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         optimizer: torch.optim.Optimizer,
         inv_scale: torch.Tensor,
         found_inf: torch.Tensor,
-        allow_fp16: bool,
+        allow_fp16: bool = True,
     ) -> dict[torch.device, torch.Tensor]:
         """torch's local unscale: ``optimizer``'s local gradients times ``inv_scale``, in place;
         ``{device: found_inf}`` (0-d float32 copies of ``found_inf``, 1.0 where a gradient held
