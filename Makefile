@@ -21,4 +21,4 @@ test: install-test
 	$(PYTHON) -m pytest -q --durations=10
 
 bench: install-train
-	$(PYTHON) -m shardscale bench
+	$(PYTHON) benchmarks/bench.py

@@ -10,11 +10,11 @@ What it does:
 1. Parity on CUDA: shardscale vs ``torch.amp.GradScaler("cuda")`` over a few training steps with
    autocast fp16 (parameters equal), with fp16 parameters (vs a hand-written fp32 reference),
    with ``AdamW(fused=True)``, ``clip_grad_norm_`` vs torch's unscale_+clip recipe, gradients
-   on CUDA next to CPU-offloaded ones, the policy's device kernels vs ``reference_step``, and
-   the event-polled collapse guard.
+   on CUDA next to CPU-offloaded ones, the policy's device ops vs the plain-Python oracle of
+   ``tests/_oracle.py``, and the collapse guard (read at once, or polled with fused steps).
 2. Host syncs per iteration measured by CUDA itself (``torch.cuda.set_sync_debug_mode("warn")``):
    expected 0 with a fused optimizer, 1 otherwise (the skip decision), also on the clip path.
-3. The ``shardscale bench`` table on CUDA, plus unscale bandwidth vs a measured device-to-device
+3. The ``benchmarks/bench.py`` table on CUDA, plus unscale bandwidth vs a measured device-to-device
    copy of the same bytes (target: unscale >= 90% of the copy bandwidth), both by wall clock
    (host overhead included) and by the kernels' device time from the torch profiler.
 
@@ -27,14 +27,25 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import statistics
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
 
-from shardscale import ShardedGradScaler, bench
+from shardscale import ScalerConfig, ScaleState, ShardedGradScaler, next_state
+
+_HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(_HERE.parent / "tests"))
+from _oracle import PyScaleState, reference_step  # noqa: E402  (the tests' policy oracle)
+
+_spec = importlib.util.spec_from_file_location("gpu_check_bench", _HERE / "bench.py")
+bench = importlib.util.module_from_spec(_spec)
+sys.modules["gpu_check_bench"] = bench  # dataclasses look their module up there
+_spec.loader.exec_module(bench)
 
 
 def _model(device: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -154,9 +165,7 @@ def parity_mixed_devices(steps: int = 6) -> float:
 
 
 def policy_kernels_match_reference(steps: int = 200) -> bool:
-    """next_state on CUDA (device kernels) equals reference_step (Python) bit for bit."""
-    from shardscale import PyScaleState, ScalerConfig, ScaleState, next_state, reference_step
-
+    """next_state on CUDA (device ops) equals the plain-Python oracle bit for bit."""
     cfg = ScalerConfig(
         growth_factor=1.7,
         backoff_factor=0.3,
@@ -187,24 +196,31 @@ def policy_kernels_match_reference(steps: int = 200) -> bool:
     return True
 
 
-def collapse_raises_on_cuda() -> tuple[bool, str]:
-    """The deferred (event-polled) collapse guard raises ScaleCollapseError on CUDA."""
+def collapse_raises_on_cuda(fused: bool = False) -> tuple[bool, str]:
+    """The collapse guard raises ScaleCollapseError on CUDA for the collapse at step 2: at once
+    with a non-fused optimizer (its step read the overflow), within ``POLL_EVERY`` (16) updates
+    with a fused one (no host read: the alarm is polled)."""
     from shardscale import ScaleCollapseError
 
     m = _model("cuda")
-    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    params = list(m.parameters())
+    opt = (
+        torch.optim.AdamW(params, lr=0.1, fused=True) if fused else torch.optim.SGD(params, lr=0.1)
+    )
     s = ShardedGradScaler("cuda", init_scale=4.0, max_consecutive_skips=3)
     x = torch.randn(4, 64, device="cuda")
-    for i in range(12):
+    last = 2 + 16 if fused else 2
+    for i in range(24):
         opt.zero_grad()
         s.scale(m(x).sum() * float("nan")).backward()
         s.step(opt)
         try:
             s.update()
         except ScaleCollapseError as e:
-            return e.step == 2, f"raised at update {i} for step {e.step}: {str(e)[:80]}..."
+            ok = e.step == 2 and i <= last
+            return ok, f"raised at update {i} (<= {last}) for step {e.step}: {str(e)[:60]}..."
         torch.cuda.synchronize()
-    return False, "no ScaleCollapseError after 12 NaN steps"
+    return False, "no ScaleCollapseError after 24 NaN steps"
 
 
 def shared_memory_grad_refused_on_cuda() -> tuple[bool, str]:
@@ -235,7 +251,7 @@ def copy_vs_unscale(numel: int, dtype: torch.dtype, rounds: int = 20) -> tuple[f
     gs = bench.GradSet(numel, dtype, torch.device("cuda"))
     dst = [torch.empty_like(g) for g in gs.grads]
     opt = gs.optimizer("sgd")
-    scaler = ShardedGradScaler("cuda", init_scale=1.0, growth_interval=2**30)
+    scaler = ShardedGradScaler("cuda", init_scale=bench.SCALE, growth_interval=2**30)
     scaler.scale(torch.ones((), device="cuda"))
     t_copy, t_unscale = [], []
     for _ in range(rounds + 2):
@@ -244,6 +260,8 @@ def copy_vs_unscale(numel: int, dtype: torch.dtype, rounds: int = 20) -> tuple[f
         torch._foreach_copy_(dst, gs.grads)
         torch.cuda.synchronize()
         t_copy.append(time.perf_counter() - t0)
+        gs.restore()  # the scaled gradients back (untimed)
+        torch.cuda.synchronize()
         t0 = time.perf_counter()
         scaler.unscale_(opt)
         torch.cuda.synchronize()
@@ -264,7 +282,7 @@ def kernel_bandwidth(numel: int, dtype: torch.dtype, rounds: int = 10) -> tuple[
     gs = bench.GradSet(numel, dtype, torch.device("cuda"))
     dst = [torch.empty_like(g) for g in gs.grads]
     opt = gs.optimizer("sgd")
-    scaler = ShardedGradScaler("cuda", init_scale=1.0, growth_interval=2**30)
+    scaler = ShardedGradScaler("cuda", init_scale=bench.SCALE, growth_interval=2**30)
     scaler.scale(torch.ones((), device="cuda"))
     for _ in range(2):  # warm-up
         scaler.unscale_(opt)
@@ -316,11 +334,10 @@ def main(argv: list[str] | None = None) -> int:
     check("fp16 params vs fp64 reference", diff < 2e-3, f"max |dp| = {diff:.2e}")
     diff = parity_mixed_devices()
     check("CUDA + CPU-offloaded grads vs torch GradScaler", diff < 1e-6, f"max |dp| = {diff:.2e}")
-    check(
-        "next_state CUDA kernels == reference_step", policy_kernels_match_reference(), "200 steps"
-    )
-    ok, detail = collapse_raises_on_cuda()
-    check("collapse guard on CUDA (deferred one step)", ok, detail)
+    check("next_state on CUDA == the Python oracle", policy_kernels_match_reference(), "200 steps")
+    for fused in (False, True):
+        ok, detail = collapse_raises_on_cuda(fused)
+        check(f"collapse guard on CUDA fused={fused}", ok, detail)
     ok, detail = shared_memory_grad_refused_on_cuda()
     check("expanded CUDA gradient refused before any write", ok, detail)
     for fused, clip, expect in (
@@ -336,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = bench.Config(sizes=sizes, dtypes=["fp32", "fp16", "bf16"], rounds=10, device="cuda")
     rows = bench.run(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
     print(bench.format_table(rows))
+    print(bench.summary(rows))
     print("\nunscale vs device-to-device copy (same bytes, read+write):")
     for numel in sizes:
         for dname in ("fp32", "fp16", "bf16"):

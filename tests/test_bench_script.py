@@ -1,105 +1,175 @@
-"""``shardscale bench``: a tiny --quick run of the real command, and its counted columns."""
+"""``benchmarks/bench.py``: a tiny ``--quick`` run of the script (imported by path, as
+test_stress.py imports benchmarks/stress.py), its counted columns, its argument errors and its
+helpers. No timing is asserted: only that every row is there and the counts are as expected."""
 
 from __future__ import annotations
 
-import re
+import contextlib
+import importlib.util
+import io
+import json
+import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from shardscale import bench
-from shardscale.cli import main as cli_main
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench.py"
+_spec = importlib.util.spec_from_file_location("shardscale_bench", _PATH)
+bench = importlib.util.module_from_spec(_spec)
+sys.modules["shardscale_bench"] = bench
+_spec.loader.exec_module(bench)
+
+SCALERS = ("shardscale", "torch GradScaler", "torch ShardedGradScaler")
+DTYPES = ("fp32", "fp16", "bf16")
 
 
-def test_gradient_shapes_follow_gpt2_small():
-    shapes = bench.gradient_shapes(10_000_000)
-    assert sum(torch.Size(s).numel() for s in shapes) == 10_000_000
-    assert shapes[:4] == [(768,), (768,), (768, 2304), (2304,)]
-    assert sum(torch.Size(s).numel() for s in bench.gpt2_small_shapes()) == 124_439_808
-    assert sum(torch.Size(s).numel() for s in bench.gradient_shapes(1234)) == 1234
-    with pytest.raises(ValueError):
-        bench.gradient_shapes(0)
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, list[dict]]:
+    """One ``--quick`` run at 50k elements, 1 round, 4 counted iterations: the printed rows by
+    (section, contender, dtype) and the ``--json`` rows."""
+    path = tmp_path_factory.mktemp("bench") / "rows.json"
+    out = io.StringIO()
+    argv = ["--quick", "--sizes", "50k", "--rounds", "1", "--json", str(path)]
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out):
+        mp.setattr(bench, "COUNT_ITERS", 4)
+        assert bench.main(argv) == 0
+    printed = {}
+    for line in out.getvalue().splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if line.startswith("| ") and cells[0] != "section":
+            printed[(cells[0], cells[1], cells[3])] = cells
+    return printed, json.loads(path.read_text())
 
 
-def test_bad_arguments_exit_2(capsys):
+def _expected_rows() -> list[tuple[str, str, str]]:
+    rows = [
+        ("counts", f"{s} [{k}, {p}, {w}]", "fp32")
+        for w in ("1 process", "2 gloo ranks")
+        for k in ("sgd", "adamw_fused")
+        for p in ("scale+step+update", "scale+clip+step+update")
+        for s in SCALERS
+    ]
+    for d in DTYPES:
+        torch_name = "torch ShardedGradScaler" if d == "fp16" else "torch GradScaler"
+        recipe = f"torch unscale_+clip_grad_norm_ ({torch_name})"
+        rows += [("limit", "in-place multiply (read+write)", d)]
+        rows += [("unscale", s, d) for s in (*SCALERS, "torch kernel alone (no scaler)")]
+        kinds = ("sgd", "adamw_foreach", "adamw_fused")
+        rows += [("cycle", f"{s} [{k}]", d) for k in kinds for s in SCALERS]
+        rows += [("clip", f"shardscale clip_grad_norm_ [{k}]", d) for k in ("sgd", "adamw_fused")]
+        rows += [("clip", f"{recipe} [{k}]", d) for k in ("sgd", "adamw_fused")]
+        rows += [
+            ("clip", f"{s} clip+step+update [adamw_fused]", d) for s in ("shardscale", "torch")
+        ]
+        rows += [("memory", f"shardscale {m}", d) for m in ("unscale_", "clip_grad_norm_")]
+        rows += [("memory", f"{torch_name} unscale_", d), ("memory", recipe, d)]
+    return rows
+
+
+def test_quick_run_prints_every_row_once(quick) -> None:
+    printed, rows = quick
+    expected = _expected_rows()
+    assert sorted(printed) == sorted(expected)
+    assert sorted((r["section"], r["name"], r["dtype"]) for r in rows) == sorted(expected)
+    for r in rows:  # every timed shardscale row ran (torch's may be n/a: fp16, fused on CPU)
+        if r["section"] in ("unscale", "cycle", "clip") and r["name"].startswith("shardscale"):
+            assert r["ms"] > 0 and r["x_limit"] > 0 and not r["notes"].startswith("n/a"), r
+            assert r["met"] is None  # 50k elements: the timing targets do not bind
+
+
+def test_quick_run_counts(quick) -> None:
+    """Per steady-state iteration: shardscale reads the host once with a non-fused optimizer
+    (the skip decision) and never with a fused one, on the plain and the clip path; no
+    collective in one process, exactly one on two ranks. torch's GradScaler: the same reads,
+    never a collective."""
+    _, rows = quick
+    counts = {r["name"]: r for r in rows if r["section"] == "counts"}
+    for where, collectives in (("1 process", 0), ("2 gloo ranks", 1)):
+        for kind, reads in (("sgd", 1), ("adamw_fused", 0)):
+            for path in ("scale+step+update", "scale+clip+step+update"):
+                ours = counts[f"shardscale [{kind}, {path}, {where}]"]
+                assert ours["counts"]["host_reads"] == reads, ours
+                assert ours["counts"]["collectives"] == collectives, ours
+                assert ours["counts"]["optimizer_reads_total"] == 0, ours
+                assert ours["met"] is True
+                theirs = counts[f"torch GradScaler [{kind}, {path}, {where}]"]["counts"]
+                assert (theirs["host_reads"], theirs["collectives"]) == (reads, 0)
+
+
+def _memory(rows: list[dict], dtype: str, name: str) -> dict:
+    (row,) = [
+        r for r in rows if r["section"] == "memory" and r["dtype"] == dtype and r["name"] == name
+    ]
+    return row["counts"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quick_run_unscale_allocates_no_gradient_sized_memory(quick, dtype: str) -> None:
+    counts = _memory(quick[1], dtype, "shardscale unscale_")
+    assert counts["largest_allocation"] <= 1024 < counts["largest_gradient"] / 16, counts
+
+
+_FP16_CLIP = pytest.mark.xfail(
+    strict=True,
+    reason="library: on the CPU, clip_grad_norm_ of fp16 gradients allocates an fp32 copy of "
+    "each gradient (torch._foreach_norm(grads, p, dtype=torch.float32) converts per tensor)",
+)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", pytest.param("fp16", marks=_FP16_CLIP), "bf16"])
+def test_quick_run_clip_allocates_no_gradient_sized_memory(quick, dtype: str) -> None:
+    counts = _memory(quick[1], dtype, "shardscale clip_grad_norm_")
+    assert counts["largest_allocation"] <= 1024 < counts["largest_gradient"] / 16, counts
+
+
+def test_bad_arguments_exit_2(capsys) -> None:
     for argv in (
         ["--dtypes", "fp8"],
+        ["--dtypes", ","],
         ["--sizes", "ten"],
+        ["--sizes", "0"],
         ["--rounds", "0"],
         ["--sections", "x"],
+        ["--sections", "unscale,bogus"],
         ["--threads", "0"],
+        ["--ranks", "3"],
         ["--device", "tpu"],
         ["--device", "meta"],
     ):
         with pytest.raises(SystemExit) as e:
             bench.main(argv)
-        assert e.value.code == 2
-    capsys.readouterr()
+        assert e.value.code == 2, argv
+    assert "usage: benchmarks/bench.py" in capsys.readouterr().err
 
 
-def test_quick_run_prints_every_row_and_expected_counts(capsys):
-    assert (
-        cli_main(["bench", "--quick", "--sizes", "50k", "--rounds", "1", "--dtypes", "fp32"]) == 0
-    )
-    out = capsys.readouterr().out
-    lines = [ln for ln in out.splitlines() if ln.startswith("| ") and "section" not in ln]
-    rows = {tuple(c.strip() for c in ln.strip("|").split("|")[:2]): ln for ln in lines}
-    sections = {k[0] for k in rows}
-    assert sections == {"counts", "limit", "unscale", "cycle", "clip", "memory"}
-    expected = [
-        ("limit", "in-place multiply (read+write)"),
-        ("unscale", "shardscale"),
-        ("unscale", "torch GradScaler"),
-        ("unscale", "torch ShardedGradScaler"),
-        ("unscale", "per-row .item() loop (original)"),
-        ("clip", "shardscale clip_grad_norm_ [sgd]"),
-        ("clip", "torch unscale_+clip_grad_norm_ [sgd]"),
-        ("clip", "shardscale clip+step+update [adamw_fused]"),
-        ("memory", "shardscale clip_grad_norm_"),
-    ] + [
-        ("cycle", f"{n} [{k}]")
-        for n in ("shardscale", "torch GradScaler")
-        for k in ("sgd", "adamw", "adamw_fused")
-    ]
-    for key in expected:
-        assert key in rows, key
-    # timed shardscale rows carry a time in ms
-    for key in expected[:2] + expected[5:6]:
-        ms = rows[key].split("|")[5].strip()
-        assert float(ms) > 0, key
-
-    def counts(label):
-        m = re.search(r"syncs=(\d+) collectives=(\d+)", rows[("counts", label)])
-        assert m, rows[("counts", label)]
-        return int(m.group(1)), int(m.group(2))
-
-    # shardscale: exactly one collective per iteration; 1 host sync (the skip decision) for
-    # non-fused optimizers, none with a fused one, on the plain and on the clipping path
-    assert counts("shardscale [sgd, scale+step+update]") == (1, 1)
-    assert counts("shardscale [sgd, clip path]") == (1, 1)
-    assert counts("shardscale [adamw_fused, scale+step+update]") == (0, 1)
-    assert counts("shardscale [adamw_fused, clip path]") == (0, 1)
-    # torch's GradScaler: one sync per device in step, never a collective
-    assert counts("torch GradScaler [sgd, scale+step+update]") == (1, 0)
-    # no gradient-sized temporary: fp32 paths allocate a few bytes; fp16 clipping is bounded by
-    # the fp32 conversion chunk (1 MiB), not by the gradients
-    mem = {k[1] + " " + ln.split("|")[4].strip(): ln for k, ln in rows.items() if k[0] == "memory"}
-    for key, ln in mem.items():
-        size = int(re.search(r"largest allocation (\d+) B", ln).group(1))
-        limit = bench._clip_chunk_bytes() + 1024 if "fp16" in key and "clip" in key else 1024
-        assert size <= limit, (key, size)
+def test_gradient_shapes_follow_gpt2_small() -> None:
+    shapes = bench.gradient_shapes(10_000_000)
+    assert sum(torch.Size(s).numel() for s in shapes) == 10_000_000
+    assert shapes[:4] == [(768,), (768,), (768, 2304), (2304,)]
+    assert sum(torch.Size(s).numel() for s in bench.gpt2_small_shapes()) == 124_439_808
+    for total in (1, 769, 1234, 124_439_809):
+        assert sum(torch.Size(s).numel() for s in bench.gradient_shapes(total)) == total
+    assert bench.gradient_shapes(769) == [(768,), (1,)]
+    with pytest.raises(ValueError):
+        bench.gradient_shapes(0)
 
 
-def test_counting_helpers_see_reads_and_skip_cpu_only_paths():
+def test_read_counter_sees_reads_and_puts_torch_optim_apart() -> None:
     t = torch.tensor(1.0)
-    with bench._ReadCounter() as reads:
+    p = torch.nn.Parameter(torch.zeros(2))
+    p.grad = torch.ones(2)
+    opt = torch.optim.Adam([p], foreach=False)  # reads its CPU step counter
+    with bench._ReadCounter() as counter:
         t.item()
         bool(t)
         t.tolist()
-    assert reads.syncs == 3 and reads.cpu_only == 0
+        opt.step()
+    assert counter.reads == 3 and counter.optimizer >= 1
 
 
-def test_paired_ratio_is_the_median_of_same_round_ratios():
+def test_paired_ratio_is_the_median_of_same_round_ratios() -> None:
     ours = bench.Contender("ours", lambda: None, times=[2.0, 10.0, 3.0])
     ref = bench.Contender("ref", lambda: None, times=[1.0, 10.0, 1.0])
     # per-round ratios 2, 1, 3 -> 2 (a ratio of medians would give 3.0 / 1.0 = 3)
@@ -111,8 +181,6 @@ def test_paired_ratio_is_the_median_of_same_round_ratios():
 def test_the_profiler_chatter_is_held_back_and_other_stderr_passed_on(capfd) -> None:
     """The memory rows' profiler writes "USDT:... profiler_start/stop" lines to fd 2: held back;
     anything else written to fd 2 meanwhile comes out after the block."""
-    import os
-
     with bench._without_profiler_chatter():
         os.write(2, b"USDT:2026 x SyncActivityProfilerHandler.cpp:52] profiler_start\n")
         os.write(2, b"a real warning\n")

@@ -1,27 +1,21 @@
 """``benchmarks/gpu_check.py`` dry run on the CPU, so the GPU script (run only when a machine
 with a GPU is lent) does not rot between such machines: its checks run with ``"cuda"`` replaced
 by ``"cpu"`` and the CUDA-only calls stubbed. Correctness is asserted where the CPU run means
-something (parity with torch); the timing functions only have to run."""
+something (parity with torch, the policy against the oracle); the timing functions only have to
+run."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from shardscale import _cpukernel
-
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
 
 
 @pytest.fixture
-def dry(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict]:
-    # On CUDA the scaler runs torch's unscale kernel, which the profiler check looks up by name:
-    # the dry run uses torch's kernel on the CPU too.
-    monkeypatch.setenv(_cpukernel.ENV, "0")
-    _cpukernel.reset()
+def dry(monkeypatch: pytest.MonkeyPatch) -> dict:
     src = SCRIPT.read_text()
     src = src.replace('"cuda"', '"cpu"').replace(
         "ProfilerActivity.CPU, ProfilerActivity.CUDA", "ProfilerActivity.CPU"
@@ -31,10 +25,9 @@ def dry(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict]:
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)
     monkeypatch.setattr(torch.nn.Module, "cuda", lambda self, *a, **k: self)
-    ns: dict = {"__name__": "gpu_check_dry"}
+    ns: dict = {"__name__": "gpu_check_dry", "__file__": str(SCRIPT)}
     exec(compile(src, str(SCRIPT), "exec"), ns)
-    yield ns
-    _cpukernel.reset()
+    return ns
 
 
 def test_gpu_check_runs_on_the_cpu(dry: dict) -> None:
@@ -44,8 +37,9 @@ def test_gpu_check_runs_on_the_cpu(dry: dict) -> None:
     assert dry["parity_fp16_params"]("cpu") < 2e-3
     assert dry["parity_mixed_devices"](steps=4) < 1e-6
     assert dry["policy_kernels_match_reference"](steps=20)
-    ok, detail = dry["collapse_raises_on_cuda"]()
-    assert ok, detail
+    for fused in (False, True):
+        ok, detail = dry["collapse_raises_on_cuda"](fused)
+        assert ok, detail
     ok, detail = dry["shared_memory_grad_refused_on_cuda"]()
     assert ok, detail
     for fn in ("copy_vs_unscale", "kernel_bandwidth"):
