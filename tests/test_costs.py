@@ -140,3 +140,29 @@ def test_two_ranks_one_all_reduce_and_the_same_reads(tmp_path):
     for result in run_ranks(_costs_two_ranks, tmp_path):
         assert result["sgd"] == ([1] * 5, [1] * 5)
         assert result["adam_fused"] == ([0] * 5, [1] * 5)
+
+
+def _largest_allocation(fn) -> int:
+    """Bytes of the largest CPU allocation made by ``fn`` (torch's profiler, per op)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return max([0] + [int(e.cpu_memory_usage) for e in prof.events() if e.cpu_memory_usage > 0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("fused", [False, True])
+def test_unscale_and_clip_allocate_nothing_gradient_sized(dtype, fused):
+    """A 2M-element gradient (8 MB in fp32): unscale_ allocates a few bytes, clip_grad_norm_ at
+    most a 1 MiB scratch (fp16 norms are taken in fp32, piece by piece)."""
+    w = torch.nn.Parameter(torch.zeros(2_000_000, dtype=dtype))
+    opt = torch.optim.AdamW([w], lr=1e-3, fused=fused)
+    scaler = ShardedGradScaler("cpu")
+    for call in (lambda: scaler.unscale_(opt), lambda: scaler.clip_grad_norm_(opt, 1.0)):
+        scaler.scale(torch.ones(()))
+        w.grad = torch.randn(2_000_000).to(dtype)
+        largest = _largest_allocation(call)
+        scaler.step(opt)
+        scaler.update()
+        assert largest <= (1 << 20) + 1024, largest

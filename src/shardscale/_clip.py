@@ -151,13 +151,31 @@ def bucket(params: Iterable[Any], group: Any, rank_local: bool) -> Buckets:
     return buckets
 
 
+#: Elements per piece when fp16 gradients are normed in fp32: torch's kernels may convert each
+#: input to fp32 first (the CPU's do), so pieces bound that temporary (1 MiB) and keep it cached.
+_FP16_PIECE = 1 << 18
+
+
+def _pieces(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Contiguous gradients cut into flat views of at most ``_FP16_PIECE`` elements (the sums
+    of their norms' p-th powers are the gradients'); others as they are."""
+    out: list[torch.Tensor] = []
+    for g in grads:
+        if g.numel() > _FP16_PIECE and g.is_contiguous():
+            out.extend(g.view(-1).split(_FP16_PIECE))
+        else:
+            out.append(g)
+    return out
+
+
 def _local_piece(grads: list[torch.Tensor], p: float, inv: torch.Tensor | None) -> torch.Tensor:
     """sum(|g / scale|^p) over ``grads`` (max(|g / scale|) for p = inf), a 0-d float32 (float64
     for float64 gradients): per-tensor norms of the *scaled* gradients (fp16 ones accumulated in
-    fp32: an fp16 norm would overflow at 65504), each multiplied by ``inv`` before any power."""
+    fp32, piece by piece: an fp16 norm would overflow at 65504), each multiplied by ``inv``
+    before any power."""
     acc = torch.float64 if grads[0].dtype == torch.float64 else torch.float32
     if grads[0].dtype == torch.float16:
-        norms = torch._foreach_norm(grads, p, dtype=acc)
+        norms = torch._foreach_norm(_pieces(grads), p, dtype=acc)
     else:
         norms = torch._foreach_norm(grads, p)
     stacked = torch.stack(norms).to(acc)
