@@ -57,7 +57,9 @@ def reference_step(
             if gt >= config.growth_interval:
                 gt = 0
                 ht = config.hysteresis
-                new_s = round_f32(min(s * config.growth_factor, config.max_scale))
+                grown = s * config.growth_factor
+                if grown < 3.4028235677973366e38:  # past float32 max: not applied (torch's kernel)
+                    new_s = round_f32(min(grown, config.max_scale))
     else:
         gt = 0
     consecutive = consecutive + 1 if overflow else 0

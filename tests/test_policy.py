@@ -584,3 +584,44 @@ def test_collapse_at_min_scale_only_when_a_backoff_is_due(hysteresis, consecutiv
         assert ours_py == ours_dev == spent
     else:
         assert ours_py == ours_dev == ds
+
+
+def _clean_step(scaler: ShardedGradScaler) -> None:
+    w = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([w], lr=0.0)
+    scaler.scale(w.sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+
+
+def test_a_growth_interval_lowered_below_the_tracker_grows_at_the_next_clean_step():
+    """The rule grows once growth_tracker >= growth_interval; torch's kernel only on ==, so a
+    tracker left above a lowered interval would never grow there: it is clamped."""
+    s = ShardedGradScaler("cpu", init_scale=8.0, growth_interval=10)
+    for _ in range(5):
+        _clean_step(s)
+    assert s.metrics()["growth_tracker"] == 5
+    s.set_growth_interval(3)
+    _clean_step(s)
+    assert (s.get_scale(), s.metrics()["growth_tracker"]) == (16.0, 0)
+    s.load_state_dict({**s.state_dict(), "_growth_tracker": 7, "growth_interval": 4})
+    assert s.metrics()["growth_tracker"] == 3
+    _clean_step(s)
+    assert s.get_scale() == 32.0
+
+
+def test_a_growth_past_float32_is_not_applied_as_torch():
+    s = ShardedGradScaler(
+        "cpu", init_scale=2.0**127, growth_interval=1, max_scale=3.4028234663852886e38
+    )
+    t = torch.amp.GradScaler("cpu", init_scale=2.0**127, growth_interval=1)
+    for scaler in (s, t):
+        _clean_step(scaler)
+    assert s.get_scale() == t.get_scale() == 2.0**127
+    state = ScaleState.create(torch.device("cpu"), 2.0**127, 0, 1, (0,) * 6)
+    cfg = ScalerConfig(growth_interval=1, max_scale=3.4028234663852886e38)
+    new, _ = next_state(state, torch.tensor(0.0), cfg)
+    ref, _ = reference_step(PyScaleState(2.0**127), 0, cfg)
+    assert (
+        new.scale.item() == ref.scale == 2.0**127 and int(new.counters[5]) == ref.counters[5] == 0
+    )

@@ -97,6 +97,7 @@ def parse_state_dict(state_dict: object, current: ScalerConfig) -> LoadedState:
             raw_scale = clamped
     scale = check_scale("state_dict['scale']", raw_scale, config.min_scale, config.max_scale)
     tracker = _nonneg_int("_growth_tracker", state_dict["_growth_tracker"], INT32_MAX)
+    tracker = min(tracker, config.growth_interval - 1)  # past the interval: grow at the next step
     hyst = _nonneg_int(
         "_hysteresis_tracker", state_dict.get("_hysteresis_tracker", config.hysteresis), INT32_MAX
     )

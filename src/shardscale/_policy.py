@@ -1,8 +1,9 @@
 """The loss-scale state and its transition rule.
 
 :func:`next_state` is the whole dynamic loss-scale algorithm as one pure function of
-``(state, found_inf, config)``, written once in tensor operations: it runs the same on every
-device (no ``.item()``, no host synchronisation, traceable by ``torch.compile``).
+``(state, found_inf, config)``, written once in tensor operations (:func:`step_` in place): it
+runs the same on every device (no ``.item()``, no host synchronisation, traceable by
+``torch.compile``). The state's growth tracker stays below ``growth_interval``.
 
 Algorithm (per :meth:`ShardedGradScaler.update`)::
 
@@ -25,9 +26,10 @@ Algorithm (per :meth:`ShardedGradScaler.update`)::
                 or consecutive_skips >= max_consecutive_skips
     # as DeepSpeed's raise_error_at_min_scale: an overflow the hysteresis absorbs is no collapse
 
-Products are computed in float64 and rounded to float32, as torch's ``_amp_update_scale_``
-kernel does, so with ``hysteresis=1`` and the default bounds the scale sequence is bit-identical
-to ``torch.amp.GradScaler``'s.
+The growth and backoff themselves are torch's ``_amp_update_scale_`` kernel (float64 products
+rounded to float32; a growth past float32's range is not applied), so with ``hysteresis=1`` and
+the default bounds the scale sequence is ``torch.amp.GradScaler``'s bit for bit; the bounds, the
+hysteresis and the counters are a few tensor operations around it (:func:`step_`).
 """
 
 from __future__ import annotations
@@ -90,47 +92,87 @@ class ScaleState:
         self.hysteresis_tracker.copy_(other.hysteresis_tracker)
         self.counters.copy_(other.counters)
 
+    def clone(self) -> ScaleState:
+        return ScaleState(*(t.clone() for t in dataclasses.astuple(self)))
+
+
+def step_(
+    state: ScaleState, found_inf: torch.Tensor, config: ScalerConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Apply one step of the policy to ``state``, in place (tensor ops, no host read).
+
+    The growth and backoff are torch's own kernel, ``torch._amp_update_scale_`` (float64
+    products rounded to float32; a growth that would overflow float32 is not applied), so with
+    ``hysteresis=1`` and the default bounds the sequence is ``torch.amp.GradScaler``'s bit for
+    bit; then the bounds, the hysteresis (an absorbed overflow keeps the scale) and the
+    counters. The growth tracker is assumed below ``growth_interval`` (the scaler clamps it when
+    the interval or the state is set).
+
+    Args:
+        state: the current state (tensors on one device); updated in place.
+        found_inf: 0-d float32 on ``state.scale.device``: the number of optimizers whose step
+            overflowed this iteration (> 0: the step was skipped), agreed across ranks.
+        config: the policy.
+
+    Returns:
+        ``(collapsed, old_scale)``: 0-d bool (see the module docstring) and a 0-d copy of the
+        scale before the step.
+    """
+    scale, gt, ht = state.scale, state.growth_tracker, state.hysteresis_tracker
+    overflow = found_inf > 0
+    old = scale.clone()
+    if not config.dynamic:
+        gt.zero_()
+        backoff_due = overflow
+    elif config.hysteresis == 1 and not config.consecutive_hysteresis:
+        # every overflow backs off; the budget (0 after an overflow) refills when the scale grows
+        torch._amp_update_scale_(
+            scale,
+            gt,
+            found_inf,
+            config.growth_factor,
+            config.backoff_factor,
+            config.growth_interval,
+        )
+        scale.clamp_(config.min_scale, config.max_scale)
+        ht.copy_(torch.where(overflow, 0, torch.where(gt == 0, 1, ht)))  # gt restarts on growth
+        backoff_due = overflow
+    else:
+        torch._amp_update_scale_(
+            scale,
+            gt,
+            found_inf,
+            config.growth_factor,
+            config.backoff_factor,
+            config.growth_interval,
+        )
+        ht_after = torch.where(overflow, (ht - 1).clamp_min(0), ht)
+        backoff_due = overflow & (ht_after == 0)
+        grew = ~overflow & (gt == 0)
+        refill = (grew | ~overflow) if config.consecutive_hysteresis else grew
+        ht.copy_(torch.where(refill, config.hysteresis, ht_after))
+        # an overflow the hysteresis absorbs keeps the scale
+        scale.copy_(
+            torch.where(
+                overflow & ~backoff_due, old, scale.clamp(config.min_scale, config.max_scale)
+            )
+        )
+    state.counters.copy_(next_counters(state.counters, found_inf, old, scale))
+    # float32 comparison: min_scale is rounded to the scale's dtype, as the clamp rounds it
+    collapsed = backoff_due & (old <= config.min_scale)
+    if config.max_consecutive_skips is not None:
+        collapsed = collapsed | (state.counters[2] >= config.max_consecutive_skips)
+    return collapsed, old
+
 
 def next_state(
     state: ScaleState, found_inf: torch.Tensor, config: ScalerConfig
 ) -> tuple[ScaleState, torch.Tensor]:
-    """Apply one step of the policy. Pure: ``state`` is not modified.
-
-    Args:
-        state: the current state (tensors on one device).
-        found_inf: 0-d float32 on ``state.scale.device``: the number of optimizers whose step
-            overflowed this iteration (> 0 means the step was skipped), agreed across ranks.
-        config: the policy.
-
-    Returns:
-        ``(new_state, collapsed)``; ``collapsed`` is a 0-d bool tensor (see the module
-        docstring). No host synchronisation.
-    """
-    scale, gt, ht = state.scale, state.growth_tracker, state.hysteresis_tracker
-    overflow = found_inf > 0
-    if config.dynamic:
-        ht_after = torch.where(overflow, (ht - 1).clamp_min(0), ht)
-        do_backoff = overflow & (ht_after == 0)
-        gt_next = torch.where(overflow, 0, gt + 1)
-        # int64: an interval beyond int32 (e.g. 2**40, "never grow") must not wrap around
-        do_grow = ~overflow & (gt_next.to(torch.int64) >= config.growth_interval)
-        s = scale.to(math_dtype(scale.device))  # Python-float factors keep s's precision
-        backed = (s * config.backoff_factor).clamp_min(config.min_scale)
-        grown = (s * config.growth_factor).clamp_max(config.max_scale)
-        new_scale = torch.where(do_backoff, backed, torch.where(do_grow, grown, s)).float()
-        new_gt = torch.where(do_grow, 0, gt_next).to(torch.int32)
-        refill = (do_grow | ~overflow) if config.consecutive_hysteresis else do_grow
-        new_ht = torch.where(refill, config.hysteresis, ht_after).to(torch.int32)
-        backoff_due = do_backoff
-    else:
-        new_scale, new_gt, new_ht = scale.clone(), torch.zeros_like(gt), ht.clone()
-        backoff_due = overflow
-    new_counters = next_counters(state.counters, found_inf, scale, new_scale)
-    # float32 comparison: min_scale is rounded to the scale's dtype, as the clamp above rounds it
-    collapsed = backoff_due & (scale <= config.min_scale)
-    if config.max_consecutive_skips is not None:
-        collapsed = collapsed | (new_counters[2] >= config.max_consecutive_skips)
-    return ScaleState(new_scale, new_gt, new_ht, new_counters), collapsed
+    """Apply one step of the policy (:func:`step_`) to a copy of ``state``. Pure: ``state`` is
+    not modified. Returns ``(new_state, collapsed)``."""
+    new = state.clone()
+    collapsed, _ = step_(new, found_inf, config)
+    return new, collapsed
 
 
 def next_counters(
@@ -139,11 +181,16 @@ def next_counters(
     """The counters after one update (device ops): steps, skips, consecutive skips (reset by a
     clean step), overflows, and a backoff/growth when ``new_scale`` is below/above ``scale``."""
     overflow = found_inf > 0
-    increments = torch.stack(
-        [overflow, overflow, overflow, overflow, scale > new_scale, scale < new_scale]
+    inc = torch.stack(
+        [
+            torch.ones_like(found_inf),
+            overflow,
+            overflow,
+            found_inf,
+            new_scale < scale,
+            new_scale > scale,
+        ]
     ).to(torch.int64)
-    increments[0] = 1
-    increments[3] = found_inf.to(torch.int64)
-    new = counters + increments
-    new[2] = new[2] * overflow  # consecutive skips: reset by a clean step
+    new = counters + inc
+    new[2].mul_(inc[1])  # consecutive skips: reset by a clean step
     return new

@@ -34,7 +34,7 @@ from ._grads import (
     unscale_and_check,
 )
 from ._iteration import Iteration, LastStep
-from ._policy import COUNTER_NAMES, ScaleState, next_counters, next_state
+from ._policy import COUNTER_NAMES, ScaleState, next_counters, step_
 from ._report import OverflowReport, ParamNames, collapse_error, name_params, scan_local
 
 logger = logging.getLogger("shardscale")
@@ -516,8 +516,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
             state.scale.fill_(value)
         else:
             assert last is not None
-            new, collapsed = next_state(state, last.found_inf, self._config)
-            state.copy_from(new)
+            collapsed, _ = step_(state, last.found_inf, self._config)
             self._alarm.note_collapse(collapsed, last.step, last.scale)  # type: ignore[union-attr]
         self._last_report = None  # a mid-iteration report may miss optimizers stepped later
         if not torch.compiler.is_compiling():
@@ -822,6 +821,11 @@ class ShardedGradScaler(torch.amp.GradScaler):
         """Set the growth interval (int >= 1). Raises TypeError/ValueError, leaving it unchanged."""
         check_growth_interval(new_interval)
         self._config = dataclasses.replace(self._config, growth_interval=new_interval)
+        # clean steps beyond the new interval: the next clean step grows (the rule's >=)
+        last = self._config.growth_interval - 1
+        self._init_growth_tracker = min(self._init_growth_tracker, last)
+        if self._growth_tracker is not None:
+            self._growth_tracker.clamp_(max=min(last, 2**31 - 1))
 
     def is_enabled(self) -> bool:
         """Whether scaling is enabled."""
