@@ -44,8 +44,13 @@ def reference_step(
     steps, skipped, consecutive, overflows, backoffs, growths = state.counters
     overflow = found_inf > 0
     new_s = s
+    # hysteresis=1 (not consecutive): every overflow backs off; the tracker is left alone
+    h1 = config.hysteresis == 1 and not config.consecutive_hysteresis
     if config.dynamic:
-        if overflow:
+        if overflow and h1:
+            gt = 0
+            new_s = round_f32(max(s * config.backoff_factor, config.min_scale))
+        elif overflow:
             gt = 0
             ht = max(ht - 1, 0)
             if ht <= 0:
@@ -56,7 +61,7 @@ def reference_step(
                 ht = config.hysteresis
             if gt >= config.growth_interval:
                 gt = 0
-                ht = config.hysteresis
+                ht = ht if h1 else config.hysteresis
                 grown = s * config.growth_factor
                 if grown < 3.4028235677973366e38:  # past float32 max: not applied (torch's kernel)
                     new_s = round_f32(min(grown, config.max_scale))
@@ -71,7 +76,7 @@ def reference_step(
         backoffs + int(new_s < s),
         growths + int(new_s > s),
     )
-    backoff_due = overflow and (ht <= 0 if config.dynamic else True)
+    backoff_due = overflow and (ht <= 0 or h1 if config.dynamic else True)
     collapsed = backoff_due and s <= round_f32(config.min_scale)
     if config.max_consecutive_skips is not None:
         collapsed = collapsed or consecutive >= config.max_consecutive_skips

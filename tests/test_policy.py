@@ -366,7 +366,7 @@ def test_next_state_matches_reference_step(config, flags, data):
     for flag in flags:
         state, collapsed = next_state(state, torch.tensor(float(flag)), config)
         ref, ref_collapsed = reference_step(ref, flag, config)
-        assert state.scale.dtype == torch.float32 and state.counters.dtype == torch.int64
+        assert state.scale.dtype == torch.float32 and state.counters.dtype == torch.float64
         assert state.scale.item() == ref.scale  # bit-exact: both are float32 values
         assert int(state.growth_tracker) == ref.growth_tracker
         assert int(state.hysteresis_tracker) == ref.hysteresis_tracker

@@ -14,61 +14,69 @@ import torch
 from ._policy import math_dtype
 from ._sync import mismatch_message
 
-# slots of the vector
-_COLLAPSE_STEP, _COLLAPSE_SCALE, _MISMATCH, _AGREED, _OWN_STEP, _OWN_COUNT = 0, 1, 2, 3, 8, 9
+# slots of the mismatch record
+_SEEN, _AGREED, _OWN_STEP, _OWN_COUNT = 0, 1, 6, 7
 
 
 class Alarm:
     """Device-side record of the first collapse and the first rank mismatch since the last read.
 
     Attributes:
-        values: 1-d float64 (float32 on MPS) of length 10 on the scale's device: the step of a
-            collapse (-1: none) and the scale then, 1 if the ranks disagreed, that agreement
-            vector (5), this rank's step count and optimizer parameter count then.
+        collapse_step: 0-d float64 (float32 on MPS): ``update()`` calls after the first
+            collapse, -1 if none.
+        collapse_scale: 0-d, same dtype: the scale the collapsing step used.
+        mismatch: 1-d of length 8, same dtype: 1 if the ranks disagreed, that agreement vector
+            (5), this rank's step count and optimizer parameter count then.
     """
 
     def __init__(self, device: torch.device) -> None:
-        self.values = torch.zeros(10, dtype=math_dtype(device), device=device)
-        self.values[_COLLAPSE_STEP] = -1
+        dtype = math_dtype(device)
+        self.collapse_step = torch.full((), -1.0, dtype=dtype, device=device)
+        self.collapse_scale = torch.zeros((), dtype=dtype, device=device)
+        self.mismatch = torch.zeros(8, dtype=dtype, device=device)
 
     def note_collapse(
-        self, collapsed: torch.Tensor, step: torch.Tensor, scale: torch.Tensor
+        self, collapsed: torch.Tensor, steps: torch.Tensor, scale: torch.Tensor
     ) -> None:
-        """Record ``(step, scale)`` if ``collapsed`` (0-d bool) and nothing is recorded yet."""
-        v = self.values
-        first = collapsed & (v[_COLLAPSE_STEP] < 0)
-        v[:2] = torch.where(first, torch.stack([step.to(v.dtype), scale.to(v.dtype)]), v[:2])
+        """Record ``steps`` (0-d: ``update()`` calls so far, this one included) and ``scale``
+        if ``collapsed`` (0-d bool) and no collapse is recorded yet: 4 tensor operations."""
+        first = collapsed & (self.collapse_step < 0)
+        torch.where(first, steps, self.collapse_step, out=self.collapse_step)
+        torch.where(first, scale, self.collapse_scale, out=self.collapse_scale)
 
     def note_mismatch(
         self, bad: torch.Tensor, agreed: torch.Tensor, step: torch.Tensor, count: int
     ) -> None:
         """Record the agreement vector ``agreed`` if ``bad`` (0-d bool) and it is the first."""
-        v = self.values
-        first = bad & (v[_MISMATCH] == 0)
+        m = self.mismatch
+        first = bad & (m[_SEEN] == 0)
         record = torch.cat(
             [
-                v.new_ones(1),
-                agreed.to(v.dtype),
-                step.to(v.dtype).reshape(1),
-                v.new_full((1,), count),
+                m.new_ones(1),
+                agreed.to(m.dtype),
+                step.to(m.dtype).reshape(1),
+                m.new_full((1,), count),
             ]
         )
-        v[2:] = torch.where(first, record, v[2:])
+        torch.where(first, record, m, out=m)
 
     def read(self, rank: int) -> tuple[int, float] | None:
-        """Read the alarm (one host read): ``(step, scale)`` of a recorded collapse (then
-        forgotten, so the next one is recorded), else None.
+        """Read the alarm (one host read): ``(step, scale)`` of a recorded collapse (``step``:
+        its 0-based index; then forgotten, so the next one is recorded), else None.
 
         Raises:
             RuntimeError: the ranks disagreed (another step or another optimizer), named.
         """
-        values = self.values.tolist()
-        if values[_MISMATCH]:
-            own_step, own_count = int(values[_OWN_STEP]), int(values[_OWN_COUNT])
+        values = torch.cat(
+            [self.collapse_step.reshape(1), self.collapse_scale.reshape(1), self.mismatch]
+        ).tolist()
+        step, scale, mismatch = values[0], values[1], values[2:]
+        if mismatch[_SEEN]:
+            own_step, own_count = int(mismatch[_OWN_STEP]), int(mismatch[_OWN_COUNT])
             raise RuntimeError(
-                mismatch_message(values[_AGREED:_OWN_STEP], own_step, own_count, rank)
+                mismatch_message(mismatch[_AGREED:_OWN_STEP], own_step, own_count, rank)
             )
-        if values[_COLLAPSE_STEP] < 0:
+        if step < 0:
             return None
-        self.values[_COLLAPSE_STEP] = -1
-        return int(values[_COLLAPSE_STEP]), values[_COLLAPSE_SCALE]
+        self.collapse_step.fill_(-1)
+        return int(step) - 1, scale

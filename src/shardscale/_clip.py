@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from . import _sync
-from ._grads import local_grads, to_device
+from ._grads import check_bucket, local_grads, to_device
 
 try:
     from torch.distributed.tensor import DTensor
@@ -148,6 +148,8 @@ def bucket(params: Iterable[Any], group: Any, rank_local: bool) -> Buckets:
     for param, values in local_grads(params, coalesce_all=True):
         key = (values.device, values.dtype, _is_sharded(param, group, rank_local))
         buckets.setdefault(key, []).append(values)
+    for device, dtype, _ in buckets:
+        check_bucket(device, dtype)
     return buckets
 
 

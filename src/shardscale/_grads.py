@@ -44,15 +44,14 @@ def iter_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
 
 def unique_params(params: Iterable[Any], skip: Container[int] = ()) -> list[Any]:
     """``params`` in order, each once (a tied weight listed twice is one gradient: torch only
-    warns about it), without those whose ``id`` is in ``skip``."""
-    seen: set[int] = set()
-    out = []
-    for p in params:
-        key = id(p)
-        if key not in seen and key not in skip:
-            seen.add(key)
-            out.append(p)
-    return out
+    warns about it), without those whose ``id`` is in ``skip``. The duplicate test is one set
+    built in C: no Python per parameter when there is none."""
+    params = params if isinstance(params, list) else list(params)
+    if len(set(map(id, params))) != len(params):
+        params = list({id(p): p for p in params}.values())  # the first of each, in order
+    if skip:
+        params = [p for p in params if id(p) not in skip]
+    return params
 
 
 class SharedMemoryGradError(ValueError):
@@ -159,32 +158,49 @@ def grad_values(param: object, coalesce_all: bool = False) -> torch.Tensor | Non
 def local_grads(
     params: Iterable[Any], skip: Container[int] = (), coalesce_all: bool = False
 ) -> list[tuple[Any, torch.Tensor]]:
-    """``(param, values)`` for each parameter of ``params`` that has a gradient here, validated.
+    """``(param, values)`` for each parameter of ``params`` that has a gradient here.
 
     Each parameter is taken once, without those whose ``id`` is in ``skip``. ``values`` is the
     dense local tensor holding the gradient: the gradient itself when it is plain and dense, a
     DTensor's local shard, a sparse gradient's values (:func:`grad_values`). Parameters without
-    ``.grad`` and empty shards are left out, so a rank that holds no shard gets ``[]``.
+    ``.grad`` and empty shards are left out, so a rank that holds no shard gets ``[]``. Dtypes
+    and devices are checked per bucket (:func:`check_bucket`).
 
     Raises:
-        TypeError: a parameter is not a tensor, or a gradient is not floating point.
-        ValueError: a gradient on the meta device.
+        TypeError: a parameter is not a tensor.
         SharedMemoryGradError: a gradient whose elements share memory (checked here, before
             any caller writes).
     """
     out = []
+    tensor, strided = torch.Tensor, torch.strided
     for param in unique_params(params, skip):
         grad = getattr(param, "grad", None)
-        plain = type(grad) is torch.Tensor and grad.layout is torch.strided
-        if plain and grad.is_floating_point() and not grad.is_meta and grad.numel():
-            values = grad  # the common case: a plain dense gradient
+        if type(grad) is tensor and grad.layout is strided:
+            values = grad  # the common case: a plain dense gradient, taken as it is
         else:
             values = grad_values(param, coalesce_all)
             if values is None:
                 continue
-        require_writable(values, param)
+        if not values.is_contiguous():
+            require_writable(values, param)
         out.append((param, values))
     return out
+
+
+def check_bucket(device: torch.device, dtype: torch.dtype) -> None:
+    """Raise if gradients of this device and dtype cannot be unscaled.
+
+    Raises:
+        TypeError: not a floating-point dtype.
+        ValueError: the meta device (no data).
+    """
+    if not dtype.is_floating_point:
+        raise TypeError(f"gradients must be floating point, got dtype {dtype}.")
+    if device.type == "meta":
+        raise ValueError(
+            "a gradient is on the meta device (no data); materialize the model "
+            "(module.to_empty(device=...)) before training."
+        )
 
 
 def bucket_grads(params: Iterable[Any], skip: Container[int] = ()) -> Buckets:
@@ -192,6 +208,9 @@ def bucket_grads(params: Iterable[Any], skip: Container[int] = ()) -> Buckets:
     buckets: Buckets = {}
     for _, values in local_grads(params, skip):
         buckets.setdefault(values.device, {}).setdefault(values.dtype, []).append(values)
+    for device, per_dtype in buckets.items():
+        for dtype in per_dtype:
+            check_bucket(device, dtype)
     return buckets
 
 

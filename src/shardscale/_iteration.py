@@ -31,16 +31,24 @@ class LastStep:
     """What ``update()`` remembers of the iteration it closed (reports, ``last_step_skipped``).
 
     Attributes:
-        step: 0-d int64, ``update()`` calls before it (read only when reported).
+        counters: the scaler's counters tensor; the iteration's 0-based index is
+            ``counters[0] + offset`` (read only when reported).
+        offset: -1 for an iteration ``update()`` closed (counted already), 0 for the current one.
         scale: 0-d float32, the scale its gradients were computed with.
         found_inf: 0-d float32, the number of optimizers that overflowed (agreed).
         optimizers: weak references to the optimizers stepped or unscaled.
     """
 
-    step: torch.Tensor
+    counters: torch.Tensor
+    offset: int
     scale: torch.Tensor
     found_inf: torch.Tensor
     optimizers: list[weakref.ref]
+
+    @property
+    def index(self) -> int:
+        """The iteration's 0-based index (one host read)."""
+        return int(self.counters[0]) + self.offset
 
     def live_optimizers(self) -> list[Any]:
         return [o for o in (r() for r in self.optimizers) if o is not None]
@@ -115,16 +123,15 @@ class Iteration:
             flags = list({id(f): f for f in self.pre_unscaled.values()}.values())
         return flags, [s["optimizer"] for s in live if "optimizer" in s]
 
-    def close(self, counters: torch.Tensor, scale: torch.Tensor) -> LastStep | None:
-        """End the iteration: its :class:`LastStep` (None if nothing was checked), the records
-        cleared for the next one. No host read."""
+    def close(self, home: torch.device) -> tuple[torch.Tensor | None, list[weakref.ref]]:
+        """End the iteration: the sum of its flags on ``home`` (None if nothing was checked)
+        and its optimizers; the records are cleared for the next one. No host read."""
         flags, refs = self.checks()
-        last = None
+        found_inf = None
         if flags:
-            found_inf = to_device(flags[0], scale.device)
+            found_inf = to_device(flags[0], home)
             for flag in flags[1:]:
-                found_inf = found_inf + to_device(flag, scale.device)
-            last = self.last = LastStep(counters[0].clone(), scale.clone(), found_inf, refs)
+                found_inf = found_inf + to_device(flag, home)
         self.states = defaultdict(fresh_state)
         self.pre_unscaled = {}
-        return last
+        return found_inf, refs

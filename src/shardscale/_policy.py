@@ -56,10 +56,12 @@ class ScaleState:
     Attributes:
         scale: 0-d float32, the current loss scale.
         growth_tracker: 0-d int32, clean steps since the last growth or overflow.
-        hysteresis_tracker: 0-d int32, overflows still tolerated before a backoff.
-        counters: 1-d int64 of length 6, in :data:`COUNTER_NAMES` order: updates done, skipped
-            steps, consecutive skipped steps, overflows (optimizer steps that saw inf/NaN),
-            backoffs (the scale went down), growths (the scale went up).
+        hysteresis_tracker: 0-d int32, overflows still tolerated before a backoff (with
+            ``hysteresis=1`` every overflow backs off and it stays 1).
+        counters: 1-d float64 (float32 on MPS: exact up to 2**24) of length 6, in
+            :data:`COUNTER_NAMES` order: updates done, skipped steps, consecutive skipped steps,
+            overflows (optimizer steps that saw inf/NaN), backoffs (the scale went down),
+            growths (the scale went up).
     """
 
     scale: torch.Tensor
@@ -81,7 +83,7 @@ class ScaleState:
             scale=torch.full((), scale, dtype=torch.float32, device=device),
             growth_tracker=torch.full((), growth_tracker, dtype=torch.int32, device=device),
             hysteresis_tracker=torch.full((), hysteresis_tracker, dtype=torch.int32, device=device),
-            counters=torch.tensor(list(counters), dtype=torch.int64, device=device),
+            counters=torch.tensor(list(counters), dtype=math_dtype(device), device=device),
         )
 
     def copy_from(self, other: ScaleState) -> None:
@@ -105,8 +107,7 @@ def step_(
     products rounded to float32; a growth that would overflow float32 is not applied), so with
     ``hysteresis=1`` and the default bounds the sequence is ``torch.amp.GradScaler``'s bit for
     bit; then the bounds, the hysteresis (an absorbed overflow keeps the scale) and the
-    counters. The growth tracker is assumed below ``growth_interval`` (the scaler clamps it when
-    the interval or the state is set).
+    counters: about 15 small tensor operations.
 
     Args:
         state: the current state (tensors on one device); updated in place.
@@ -124,19 +125,6 @@ def step_(
     if not config.dynamic:
         gt.zero_()
         backoff_due = overflow
-    elif config.hysteresis == 1 and not config.consecutive_hysteresis:
-        # every overflow backs off; the budget (0 after an overflow) refills when the scale grows
-        torch._amp_update_scale_(
-            scale,
-            gt,
-            found_inf,
-            config.growth_factor,
-            config.backoff_factor,
-            config.growth_interval,
-        )
-        scale.clamp_(config.min_scale, config.max_scale)
-        ht.copy_(torch.where(overflow, 0, torch.where(gt == 0, 1, ht)))  # gt restarts on growth
-        backoff_due = overflow
     else:
         torch._amp_update_scale_(
             scale,
@@ -146,18 +134,17 @@ def step_(
             config.backoff_factor,
             config.growth_interval,
         )
-        ht_after = torch.where(overflow, (ht - 1).clamp_min(0), ht)
-        backoff_due = overflow & (ht_after == 0)
-        grew = ~overflow & (gt == 0)
-        refill = (grew | ~overflow) if config.consecutive_hysteresis else grew
-        ht.copy_(torch.where(refill, config.hysteresis, ht_after))
-        # an overflow the hysteresis absorbs keeps the scale
-        scale.copy_(
-            torch.where(
-                overflow & ~backoff_due, old, scale.clamp(config.min_scale, config.max_scale)
-            )
-        )
-    state.counters.copy_(next_counters(state.counters, found_inf, old, scale))
+        scale.clamp_(config.min_scale, config.max_scale)
+        if config.hysteresis == 1 and not config.consecutive_hysteresis:
+            backoff_due = overflow  # every overflow backs off; the tracker stays 1
+        else:
+            ht_after = torch.where(overflow, (ht - 1).clamp_min(0), ht)
+            backoff_due = overflow & (ht_after == 0)
+            grew = ~overflow & (gt == 0)  # the growth tracker restarts only on a growth
+            refill = (grew | ~overflow) if config.consecutive_hysteresis else grew
+            ht.copy_(torch.where(refill, config.hysteresis, ht_after))
+            scale.copy_(torch.where(overflow & ~backoff_due, old, scale))  # absorbed: kept
+    count_(state.counters, found_inf, old, scale)
     # float32 comparison: min_scale is rounded to the scale's dtype, as the clamp rounds it
     collapsed = backoff_due & (old <= config.min_scale)
     if config.max_consecutive_skips is not None:
@@ -175,11 +162,12 @@ def next_state(
     return new, collapsed
 
 
-def next_counters(
+def count_(
     counters: torch.Tensor, found_inf: torch.Tensor, scale: torch.Tensor, new_scale: torch.Tensor
-) -> torch.Tensor:
-    """The counters after one update (device ops): steps, skips, consecutive skips (reset by a
-    clean step), overflows, and a backoff/growth when ``new_scale`` is below/above ``scale``."""
+) -> None:
+    """Advance the counters by one update, in place (device ops): steps, skips, consecutive
+    skips (reset by a clean step), overflows, and a backoff/growth when ``new_scale`` is below
+    or above ``scale``."""
     overflow = found_inf > 0
     inc = torch.stack(
         [
@@ -190,7 +178,6 @@ def next_counters(
             new_scale < scale,
             new_scale > scale,
         ]
-    ).to(torch.int64)
-    new = counters + inc
-    new[2].mul_(inc[1])  # consecutive skips: reset by a clean step
-    return new
+    )
+    counters.add_(inc)
+    counters[2].mul_(inc[1])  # consecutive skips: reset by a clean step

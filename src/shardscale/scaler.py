@@ -34,7 +34,7 @@ from ._grads import (
     unscale_and_check,
 )
 from ._iteration import Iteration, LastStep
-from ._policy import COUNTER_NAMES, ScaleState, next_counters, step_
+from ._policy import COUNTER_NAMES, ScaleState, count_, step_
 from ._report import OverflowReport, ParamNames, collapse_error, name_params, scan_local
 
 logger = logging.getLogger("shardscale")
@@ -507,17 +507,19 @@ class ShardedGradScaler(torch.amp.GradScaler):
                 f"update(); the order is {_ORDER}."
             )
         state = self._state()
-        last = self._it.close(state.counters, state.scale)
+        found_inf, refs = self._it.close(state.scale.device)
         if value is not None:
-            if last is not None:
-                target = torch.full_like(state.scale, value)
-                counted = next_counters(state.counters, last.found_inf, state.scale, target)
-                state.counters.copy_(counted)
+            old = state.scale.clone()
             state.scale.fill_(value)
+            if found_inf is not None:  # the iteration is still counted
+                count_(state.counters, found_inf, old, state.scale)
         else:
-            assert last is not None
-            collapsed, _ = step_(state, last.found_inf, self._config)
-            self._alarm.note_collapse(collapsed, last.step, last.scale)  # type: ignore[union-attr]
+            assert found_inf is not None
+            collapsed, old = step_(state, found_inf, self._config)
+            self._alarm.note_collapse(collapsed, state.counters[0], old)  # type: ignore[union-attr]
+        last = None
+        if found_inf is not None:
+            last = self._it.last = LastStep(state.counters, -1, old, found_inf, refs)
         self._last_report = None  # a mid-iteration report may miss optimizers stepped later
         if not torch.compiler.is_compiling():
             it = self._it
@@ -757,20 +759,20 @@ class ShardedGradScaler(torch.amp.GradScaler):
         if flags:  # mid-iteration: what was checked so far
             scale: torch.Tensor = self._scale  # type: ignore[assignment]
             found = sum(to_device(f, scale.device) for f in flags)
-            last = LastStep(self._counters[0].clone(), scale.clone(), found, refs)  # type: ignore[index,arg-type]
+            last = LastStep(self._counters, 0, scale.clone(), found, refs)  # type: ignore[arg-type]
         elif self._it.last is not None:
             last = self._it.last
         else:
             return None
         if not bool(last.found_inf > 0):  # the one host read
             return None
-        if self._last_report is not None and self._last_report.step == int(last.step):
+        if self._last_report is not None and self._last_report.step == last.index:
             return self._last_report
         return self._build_report(last)
 
     def _build_report(self, last: LastStep) -> OverflowReport:
         entries = self._scan(last.live_optimizers())
-        self._last_report = OverflowReport(int(last.step), float(last.scale), tuple(entries))
+        self._last_report = OverflowReport(last.index, float(last.scale), tuple(entries))
         return self._last_report
 
     def _scan(self, optimizers: list[Any]) -> list[Any]:
