@@ -158,6 +158,7 @@ def _one_run(
 
         for opt in opts:
             opt.zero_grad(set_to_none=True)
+        scaled = False  # the same on every rank (present and the terms come from shared draws)
         for mb in range(n_micro):
             terms = []
             nan_loss = False
@@ -180,6 +181,7 @@ def _one_run(
             if nan_loss:
                 loss = loss * float("nan")
             scaler.scale(loss).backward()
+            scaled = True
         for r, _, p, kind in inj:
             if r == rank and kind in ("grad_inf", "grad_nan") and params[p].grad is not None:
                 params[p].grad.view(-1)[0] = float("inf" if kind == "grad_inf" else "nan")
@@ -210,7 +212,8 @@ def _one_run(
             warnings.simplefilter("always")
             scaler.update()
         warned = [str(w.message) for w in caught if "collapsed" in str(w.message)]
-        ref, ref_collapsed = reference_step(ref, sum(bad), cfg)
+        # an iteration with no scale() on any rank is not counted (no loss: nothing to scale)
+        ref, ref_collapsed = reference_step(ref, sum(bad), cfg) if scaled else (ref, False)
         if ref_collapsed:
             unreported.append(ref.counters[0] - 1)
 

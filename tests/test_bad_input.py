@@ -229,13 +229,6 @@ for meth in ("unscale_", "step"):
         "Optimizer",
     )
     case(
-        f"{meth}-before_scale",
-        "fresh",
-        lambda s, m, o, n=meth: getattr(s, n)(o),
-        RuntimeError,
-        "before scale",
-    )
-    case(
         f"{meth}-non_tensor_param",
         "scaled",
         lambda s, m, o, n=meth: getattr(s, n)(_Duck()),
@@ -282,8 +275,19 @@ case(
     "meta device",
 )
 
+# ------------------------------------------------------------ abandon and place
+case("abandon-argument", "unscaled", lambda s, m, o: s.abandon(o), TypeError, "argument")
+case("place-none", "fresh", lambda s, m, o: s.place(None), TypeError, "device must be")
+case("place-meta", "scaled", lambda s, m, o: s.place("meta"), ValueError, "meta device")
+
 # --------------------------------------------------------------------- update
-case("update-before_scale", "fresh", lambda s, m, o: s.update(), RuntimeError, "before scale")
+case(
+    "update-before_scale",
+    "fresh",
+    lambda s, m, o: s.update(),
+    RuntimeError,
+    "no optimizer was stepped",
+)
 case(
     "update-without_step",
     "scaled",
@@ -467,7 +471,6 @@ if HAVE_CLIP:
         ("norm_type_0", "scaled", (1.0, 0.0), ValueError, "norm_type"),
         ("norm_type_negative", "scaled", (1.0, -2.0), ValueError, "norm_type"),
         ("norm_type_str", "scaled", (1.0, "two"), ValueError, "norm_type"),
-        ("before_scale", "fresh", (1.0,), RuntimeError, "before scale"),
         ("after_unscale_", "unscaled", (1.0,), RuntimeError, "after unscale_"),
         ("after_step", "stepped", (1.0,), RuntimeError, "after step"),
     ]:

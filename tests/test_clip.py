@@ -200,8 +200,6 @@ def test_nan_gradient_is_an_overflow_for_every_norm_type():
 
 def test_call_order_and_argument_errors():
     a, _, oa, _, sa, _ = _pair()
-    with pytest.raises(RuntimeError, match="before scale"):
-        sa.clip_grad_norm_(oa, 1.0)
     _backward(a, sa, _batch())
     with pytest.raises(TypeError, match="pass tensors"):
         sa.clip_grad_norm_([1.0, 2.0], 1.0)
@@ -440,8 +438,6 @@ def test_clip_parameter_list_matches_torch_recipe(opt, fused, subset):
 def test_clip_parameter_list_order_errors():
     a, _, oa, _, sa, _ = _pair()
     x = _batch()
-    with pytest.raises(RuntimeError, match="before scale"):
-        sa.clip_grad_norm_(a.parameters(), 1.0)
     _backward(a, sa, x)
     params = list(a.parameters())
     sa.clip_grad_norm_(params[:2], 1.0)

@@ -658,50 +658,47 @@ def test_fsdp1_cpu_offload_skip_agreement(fsdp):
 # ------------------------------------------------------------ pipeline-parallel stages
 def _pipeline_stages(rank: int, world_size: int) -> dict:
     """Each rank owns a different stage (rank r: r+1 Linear layers): one scale for the pipeline.
-    Rank 1 overflows at step 1; clipping sums every stage's gradients."""
-    torch.manual_seed(rank)
-    stage = nn.Sequential(*[nn.Linear(3, 3) for _ in range(rank + 1)])
-    opt = torch.optim.SGD(stage.parameters(), lr=0.1)
+    Rank 1 overflows at step 1. With default arguments the stages step and skip together; with
+    rank_local_params=True clip_grad_norm_ sums every stage's gradients."""
     out: dict = {}
-    # rank_local_params=False: the parameter-count check refuses (ranks differ by design)
-    s = ShardedGradScaler("cpu", init_scale=1024.0)
-    s.scale(stage(torch.ones(3)).sum()).backward()
-    try:
-        s.step(opt)  # the flag is set, the step skipped; update() reads the alarm and raises
-        s.update()
-        out["default"] = "no error"
-    except RuntimeError as e:
-        out["default"] = str(e)
-    s = ShardedGradScaler("cpu", init_scale=1024.0, rank_local_params=True)
-    out["skipped"], out["scales"], out["norms"], out["local_sq"] = [], [], [], []
-    for step in range(3):
-        opt.zero_grad()
-        s.scale(stage(torch.ones(3)).sum()).backward()
-        if step == 1 and rank == 1:
-            stage[0].weight.grad[0, 0] = float("inf")
-        scale = s.get_scale()
-        local_sq = sum(float((p.grad.double() / scale).pow(2).sum()) for p in stage.parameters())
-        before = [p.detach().clone() for p in stage.parameters()]
-        norm = s.clip_grad_norm_(opt, 1e9)
-        s.step(opt)
-        s.update()
-        moved = any(not torch.equal(a, p) for a, p in zip(before, stage.parameters(), strict=True))
-        out["skipped"].append((bool(s.last_step_skipped(opt)), not moved))
-        out["scales"].append(s.get_scale())
-        out["norms"].append(norm.item())
-        out["local_sq"].append(local_sq)
+    for clip in (False, True):
+        torch.manual_seed(rank)
+        stage = nn.Sequential(*[nn.Linear(3, 3) for _ in range(rank + 1)])
+        opt = torch.optim.SGD(stage.parameters(), lr=0.1)
+        s = ShardedGradScaler("cpu", init_scale=1024.0, rank_local_params=clip)
+        runs = out[clip] = {"skipped": [], "scales": [], "norms": [], "local_sq": []}
+        for step in range(3):
+            opt.zero_grad()
+            s.scale(stage(torch.ones(3)).sum()).backward()
+            if step == 1 and rank == 1:
+                stage[0].weight.grad[0, 0] = float("inf")
+            scale = s.get_scale()
+            local_sq = sum(
+                float((p.grad.double() / scale).pow(2).sum()) for p in stage.parameters()
+            )
+            before = [p.detach().clone() for p in stage.parameters()]
+            if clip:
+                runs["norms"].append(s.clip_grad_norm_(opt, 1e9).item())
+            s.step(opt)
+            s.update()
+            params = zip(before, stage.parameters(), strict=True)
+            moved = any(not torch.equal(a, p) for a, p in params)
+            runs["skipped"].append((bool(s.last_step_skipped(opt)), not moved))
+            runs["scales"].append(s.get_scale())
+            runs["local_sq"].append(local_sq)
     return out
 
 
 @pytest.mark.dist
-def test_pipeline_stages_with_rank_local_params(tmp_path):
+def test_pipeline_stages_with_default_arguments_and_clipping(tmp_path):
     r0, r1 = run_ranks(_pipeline_stages, tmp_path)
     for r in (r0, r1):
-        assert "rank_local_params=True" in r["default"]
-        # step 1 overflows on rank 1 only: both ranks skip (parameters untouched), both back off
-        assert r["skipped"] == [(False, False), (True, True), (False, False)]
-        assert r["scales"] == [1024.0, 512.0, 512.0]
+        for clip in (False, True):
+            # step 1 overflows on rank 1 only: both ranks skip (parameters untouched), back off
+            assert r[clip]["skipped"] == [(False, False), (True, True), (False, False)]
+            assert r[clip]["scales"] == [1024.0, 512.0, 512.0]
+    n0, n1 = r0[True], r1[True]
     for step in (0, 2):  # the norm of the whole pipeline: every stage's gradients, summed
-        expected = math.sqrt(r0["local_sq"][step] + r1["local_sq"][step])
-        assert r0["norms"][step] == r1["norms"][step] == pytest.approx(expected, rel=1e-6)
-    assert math.isinf(r0["norms"][1]) and math.isinf(r1["norms"][1])
+        expected = math.sqrt(n0["local_sq"][step] + n1["local_sq"][step])
+        assert n0["norms"][step] == n1["norms"][step] == pytest.approx(expected, rel=1e-6)
+    assert math.isinf(n0["norms"][1]) and math.isinf(n1["norms"][1])

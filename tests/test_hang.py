@@ -4,9 +4,9 @@ One 2-rank launch runs five scenarios, each on its own process group created wit
 ``dist.new_group(timeout=TIMEOUT)`` (so one scenario's timed-out collective does not poison the
 next; the default group keeps ``tests/_dist.py``'s 30 s):
 
-1. rank 1 never calls ``step``: its ``update()`` raises at once ("no optimizer was stepped"),
-   rank 0's found-inf all-reduce raises ``DistBackendError`` (a RuntimeError) after the group's
-   timeout, not a hang.
+1. rank 1 never calls ``step``: its ``update()`` raises at once ("no optimizer was stepped")
+   after telling the others through the all-reduce they wait in: rank 0 raises at once too,
+   naming rank 1 and its error (no collective timeout).
 2. rank 1 steps one optimizer of two: the scaler's step-agreement check (``[found_inf, step,
    -step]`` in its one MAX all-reduce) sees rank 0 at step 0 and rank 1 at step 1 and both ranks
    raise "out of step" at once (without the check the flags would pair silently).
@@ -15,6 +15,8 @@ next; the default group keeps ``tests/_dist.py``'s 30 s):
 4. rank 1 never calls ``unscale_`` while rank 0 does (an inf injected on rank 1): not an error,
    both issue one all-reduce per optimizer; the ranks agree on the skip and the parameters.
 5. the ranks pass different process groups to the scaler: both all-reduces time out and raise.
+6. the ranks step two optimizers in opposite orders: not detected (as with torch's scalers): the
+   flags pair by the order of the checks; documented in RELIABILITY.md.
 """
 
 from __future__ import annotations
@@ -167,13 +169,12 @@ def test_mismatched_ranks_fail_fast_with_clear_errors(tmp_path):
     r0, r1 = run_ranks(_scenarios, tmp_path)
     limit = TIMEOUT_S + 10.0  # generous: CI machines are slow, a hang would be 30 s+
 
-    # 1. never steps: rank 1 fails locally at once, rank 0 times out (no hang)
+    # 1. never steps: rank 1 fails at once and tells rank 0, which fails at once naming it
     a, b = r0["never_steps"], r1["never_steps"]
     assert b["error"] == "RuntimeError" and "no optimizer was stepped" in b["message"]
-    assert b["elapsed"] < 1.0
-    assert a["runtime_error"], a
-    assert TIMEOUT_S - 0.5 <= a["elapsed"] < limit, a
-    assert "timed out" in a["message"].lower() or "timeout" in a["message"].lower(), a
+    assert a["error"] == "RuntimeError", a
+    assert "rank 1 called update() with no optimizer stepped" in a["message"], a
+    assert a["elapsed"] < TIMEOUT_S and b["elapsed"] < TIMEOUT_S, (a, b)
 
     # 2./3. out of step: detected by the scaler on both ranks, naming each rank's step
     for name, steps in (("fewer_optimizers", (0, 1)), ("other_checkpoint", (0, 5))):
@@ -192,14 +193,8 @@ def test_mismatched_ranks_fail_fast_with_clear_errors(tmp_path):
     for p, q in zip(a["value"]["params"], b["value"]["params"], strict=True):
         assert torch.equal(p, q)
 
-    # 6. optimizers stepped in different orders: detected by the parameter-count check
-    for rank, res in enumerate((r0["swapped_order"], r1["swapped_order"])):
-        assert res["error"] == "RuntimeError", res
-        assert "different optimizers" in res["message"], res
-        own = 2 if rank == 0 else 4
-        assert f"(rank {rank}) checks an optimizer with {own} parameters" in res["message"], res
-        assert "2..4" in res["message"], res
-        assert res["elapsed"] < TIMEOUT_S, res
+    # 6. optimizers stepped in different orders: not detected (a documented limit, as torch)
+    assert r0["swapped_order"]["error"] is None and r1["swapped_order"]["error"] is None
 
     # 5. different process groups: both collectives time out with an error
     for res in (r0["different_groups"], r1["different_groups"]):

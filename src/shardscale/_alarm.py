@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 
 from ._policy import math_dtype
-from ._sync import mismatch_message
+from ._sync import ERROR, mismatch_message
 
-# slots of the mismatch record
-_SEEN, _AGREED, _OWN_STEP, _OWN_COUNT = 0, 1, 6, 7
+# slots of the mismatch record: seen, the agreement vector, own step and check
+_SEEN, _AGREED, _OWN_STEP, _OWN_CHECK = 0, 1, ERROR + 2, ERROR + 3
 
 
 class Alarm:
@@ -25,15 +25,15 @@ class Alarm:
         collapse_step: 0-d float64 (float32 on MPS): ``update()`` calls after the first
             collapse, -1 if none.
         collapse_scale: 0-d, same dtype: the scale the collapsing step used.
-        mismatch: 1-d of length 8, same dtype: 1 if the ranks disagreed, that agreement vector
-            (5), this rank's step count and optimizer parameter count then.
+        mismatch: 1-d, same dtype: 1 if the ranks disagreed, that agreement vector
+            (:func:`shardscale._sync.agree`), this rank's step count and check ordinal then.
     """
 
     def __init__(self, device: torch.device) -> None:
         dtype = math_dtype(device)
         self.collapse_step = torch.full((), -1.0, dtype=dtype, device=device)
         self.collapse_scale = torch.zeros((), dtype=dtype, device=device)
-        self.mismatch = torch.zeros(8, dtype=dtype, device=device)
+        self.mismatch = torch.zeros(_OWN_CHECK + 1, dtype=dtype, device=device)
 
     def note_collapse(
         self, collapsed: torch.Tensor, steps: torch.Tensor, scale: torch.Tensor
@@ -45,7 +45,7 @@ class Alarm:
         torch.where(first, scale, self.collapse_scale, out=self.collapse_scale)
 
     def note_mismatch(
-        self, bad: torch.Tensor, agreed: torch.Tensor, step: torch.Tensor, count: int
+        self, bad: torch.Tensor, agreed: torch.Tensor, step: torch.Tensor, check: int
     ) -> None:
         """Record the agreement vector ``agreed`` if ``bad`` (0-d bool) and it is the first."""
         m = self.mismatch
@@ -55,7 +55,7 @@ class Alarm:
                 m.new_ones(1),
                 agreed.to(m.dtype),
                 step.to(m.dtype).reshape(1),
-                m.new_full((1,), count),
+                m.new_full((1,), check),
             ]
         )
         torch.where(first, record, m, out=m)
@@ -72,9 +72,9 @@ class Alarm:
         ).tolist()
         step, scale, mismatch = values[0], values[1], values[2:]
         if mismatch[_SEEN]:
-            own_step, own_count = int(mismatch[_OWN_STEP]), int(mismatch[_OWN_COUNT])
+            own_step, own_check = int(mismatch[_OWN_STEP]), int(mismatch[_OWN_CHECK])
             raise RuntimeError(
-                mismatch_message(mismatch[_AGREED:_OWN_STEP], own_step, own_count, rank)
+                mismatch_message(mismatch[_AGREED:_OWN_STEP], own_step, own_check, rank)
             )
         if step < 0:
             return None

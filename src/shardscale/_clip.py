@@ -189,13 +189,19 @@ def _local_piece(grads: list[torch.Tensor], p: float, inv: torch.Tensor | None) 
 
 
 def global_norm(
-    buckets: Buckets, p: float, inv_scale: torch.Tensor | None, home: torch.device, group: Any
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The total norm over shards and ranks (0-d float32 on ``home``) and the agreed found-inf
-    flag (0-d float32: 1.0 if any gradient anywhere was inf/NaN).
+    buckets: Buckets,
+    p: float,
+    inv_scale: torch.Tensor | None,
+    home: torch.device,
+    group: Any,
+    scaled: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The total norm over shards and ranks (0-d float32 on ``home``), the agreed found-inf
+    flag (0-d float32: 1.0 if any gradient anywhere was inf/NaN) and whether any rank ``scaled``
+    (0-d bool: this rank called ``scale()`` in the iteration).
 
-    One all-reduce of ``[sharded, replicated (group rank 0 only), nonfinite]`` over ``group``
-    (SUM; MAX for p = inf), none without a group. A per-tensor norm of scaled gradients past
+    One all-reduce of ``[sharded, replicated (group rank 0 only), nonfinite, scaled]`` over
+    ``group`` (SUM; MAX for p = inf), none without a group. A per-tensor norm of scaled gradients past
     fp32's range (with the default scale, fp32 gradients of norm above ~1e34) reads as an
     overflow: the step is skipped and the scale backs off.
     """
@@ -210,7 +216,9 @@ def global_norm(
     nonfinite = (~torch.isfinite(local)).float()
     if group is not None and not is_inf and group.rank() != 0:
         replicated_part = torch.zeros_like(replicated_part)  # counted once, from rank 0
-    packed = torch.stack([sharded_part, replicated_part, nonfinite])
+    packed = torch.stack(
+        [sharded_part, replicated_part, nonfinite, torch.full_like(nonfinite, scaled)]
+    )
     if group is not None:
         packed = _sync.all_reduce(
             packed, [group], dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
@@ -224,7 +232,7 @@ def global_norm(
     # report the norm as inf then, as torch.nn.utils.clip_grad_norm_ would on that rank
     flagged = packed[2] > 0
     total = torch.where(flagged & torch.isfinite(total), math.inf, total)
-    return total, (flagged | ~torch.isfinite(total)).float()
+    return total, (flagged | ~torch.isfinite(total)).float(), packed[3] > 0
 
 
 def clip_coef(total: torch.Tensor, max_norm: float) -> torch.Tensor:
@@ -279,7 +287,7 @@ def unscale_and_clip(
 def clip_unscaled(buckets: Buckets, p: float, max_norm: float, group: Any) -> torch.Tensor:
     """Clip gradients that are not scaled (a disabled scaler), as torch's ``clip_grad_norm_``."""
     home = next(iter(buckets))[0] if buckets else torch.device("cpu")
-    total, _ = global_norm(buckets, p, None, home, group)
+    total, _, _ = global_norm(buckets, p, None, home, group)
     mul_all(buckets, clip_coef(total, max_norm))
     return total
 
@@ -292,10 +300,12 @@ def norm_and_clip(
     max_norm: float,
     group: Any,
     fused: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    scaled: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """The whole clip of scaled gradients: ``(total norm, grad_scale for a fused kernel or
-    None, agreed found_inf)`` (:func:`global_norm`, :func:`clip_coef`, :func:`unscale_and_clip`)."""
-    total, found_inf = global_norm(buckets, p, inv_scale, scale.device, group)
+    None, agreed found_inf, whether any rank scaled)`` (:func:`global_norm`,
+    :func:`clip_coef`, :func:`unscale_and_clip`)."""
+    total, found_inf, anyone = global_norm(buckets, p, inv_scale, scale.device, group, scaled)
     coef = clip_coef(total, max_norm)
     grad_scale, found_inf = unscale_and_clip(buckets, scale, inv_scale, coef, found_inf, fused)
-    return total, grad_scale, found_inf
+    return total, grad_scale, found_inf, anyone

@@ -67,6 +67,10 @@ class Iteration:
         host_overflow: a step of this iteration read an overflow on the host.
         unread_steps: fused steps ran whose flags the host never read (since the last poll).
         updates_since_poll: ``update()`` calls since the alarm was last read.
+        scaled: ``scale()`` was called in this iteration (on this rank).
+        last_scaled: whether it was in the iteration the last ``update()`` closed (None: no
+            update since the scaler was made or loaded).
+        checks: the agreements made in this iteration (the next one's ordinal).
     """
 
     states: dict[int, dict[str, Any]] = dataclasses.field(
@@ -78,6 +82,9 @@ class Iteration:
     host_overflow: bool = False
     unread_steps: bool = False
     updates_since_poll: int = 0
+    scaled: bool = False
+    last_scaled: bool | None = None
+    checks: int = 0
 
     def record(self, optimizer: Any) -> dict[str, Any]:
         """``optimizer``'s record, created READY if new (inserted explicitly: ``torch.compile``
@@ -113,7 +120,7 @@ class Iteration:
         pre = self.pre_unscaled
         return [pre[id(p)] for p in iter_params(optimizer) if id(p) in pre] if pre else []
 
-    def checks(self) -> tuple[list[torch.Tensor], list[weakref.ref]]:
+    def inf_checks(self) -> tuple[list[torch.Tensor], list[weakref.ref]]:
         """The iteration's inf checks: every recorded flag, and the optimizers they belong to.
         When only ``clip_grad_norm_(params)`` ran, its flags (as torch's update after
         ``unscale_`` alone: the checks made are what counts)."""
@@ -123,15 +130,25 @@ class Iteration:
             flags = list({id(f): f for f in self.pre_unscaled.values()}.values())
         return flags, [s["optimizer"] for s in live if "optimizer" in s]
 
+    def others_scaled(self) -> list[torch.Tensor]:
+        """0-d bools from this iteration's collectives (multi-rank only): whether any rank
+        called ``scale()``."""
+        return [s["scaled"] for s in self.states.values() if "scaled" in s]
+
     def close(self, home: torch.device) -> tuple[torch.Tensor | None, list[weakref.ref]]:
         """End the iteration: the sum of its flags on ``home`` (None if nothing was checked)
         and its optimizers; the records are cleared for the next one. No host read."""
-        flags, refs = self.checks()
+        flags, refs = self.inf_checks()
         found_inf = None
         if flags:
             found_inf = to_device(flags[0], home)
             for flag in flags[1:]:
                 found_inf = found_inf + to_device(flag, home)
+        self.abandon()
+        return found_inf, refs
+
+    def abandon(self) -> None:
+        """Clear this iteration's records (``close`` without the sum)."""
         self.states = defaultdict(fresh_state)
         self.pre_unscaled = {}
-        return found_inf, refs
+        self.last_scaled, self.scaled, self.checks = self.scaled, False, 0

@@ -133,46 +133,79 @@ def all_reduce(
     return tensor
 
 
+#: Slots of the agreement vector (see :func:`agree`).
+FOUND, STEP, NEG_STEP, CHECK, NEG_CHECK, SCALED, ERROR = range(7)
+#: What a rank that fails a call-order check tells the others (:func:`poison`), by code.
+ERRORS = {
+    1: "called unscale_()/step() again for an optimizer before update()",
+    2: "called update() with no optimizer stepped or unscaled",
+    3: "called unscale_() after step() for an optimizer",
+}
+
+
 def agree(
-    found_inf: torch.Tensor, step: torch.Tensor, count: int, groups: list[Any]
+    found_inf: torch.Tensor, step: torch.Tensor, check: int, scaled: bool, groups: list[Any]
 ) -> torch.Tensor:
     """The found-inf agreement: ONE MAX all-reduce (per group) of ``[found_inf, step, -step,
-    count, -count]`` (float32, on ``found_inf``'s device).
+    check, -check, scaled, error]`` (float32, on ``found_inf``'s device).
 
-    ``step`` (0-d, the scaler's update count) and ``count`` (which optimizer this is, in a form
-    every rank agrees on: its parameter count; 0 when the ranks hold different parameters) ride
-    along, so that ranks which call the scaler differently are told apart from an overflow:
-    after MAX, ``x_max != -(-x)_max`` means the ranks disagree on ``x`` (see :func:`mismatch`).
+    ``step`` (0-d: the scaler's update count) and ``check`` (the ordinal of this check within
+    the iteration) ride along, so that ranks which call the scaler differently are told apart
+    from an overflow: after MAX, ``x_max != -(-x)_max`` means the ranks disagree on ``x`` (see
+    :func:`mismatch`); ``scaled`` (whether this rank called ``scale()`` in the iteration) tells
+    an idle rank that others did; ``error`` is 0 (see :func:`poison`).
     """
     step32 = (step % 2**24).to(torch.float32).reshape(())
-    n = torch.full((), float(count % 2**24), device=found_inf.device)  # a fill: no copy, no sync
-    return all_reduce(torch.stack([found_inf.reshape(()), step32, -step32, n, -n]), groups)
+    # fills, not a copy from the host: a blocking host-to-device copy would wait for the device
+    tail = torch.full((4,), float(check), device=found_inf.device)
+    tail[1], tail[2], tail[3] = -check, float(scaled), 0.0
+    return all_reduce(
+        torch.cat([torch.stack([found_inf.reshape(()), step32, -step32]), tail]), groups
+    )
+
+
+def poison(
+    code: int, step: float, check: int, rank: int, groups: list[Any], device: torch.device
+) -> None:
+    """The agreement all-reduce of a rank that is about to raise a call-order error (``code`` in
+    :data:`ERRORS`): it pairs with the all-reduce the other ranks wait in, which then fails with
+    a message naming this rank and its error instead of a collective timeout."""
+    vector = [1.0, step % 2**24, -(step % 2**24), check, -check, 0.0, code * 4096 + rank % 4096 + 1]
+    all_reduce(torch.tensor(vector, device=device), groups)
 
 
 def mismatch(agreed: torch.Tensor) -> torch.Tensor:
-    """0-d bool: the agreement vector shows ranks at different steps or optimizers."""
-    return (agreed[1] != -agreed[2]) | (agreed[3] != -agreed[4])
+    """0-d bool: the agreement vector shows ranks at different steps or checks, or an error."""
+    return (
+        (agreed[STEP] != -agreed[NEG_STEP])
+        | (agreed[CHECK] != -agreed[NEG_CHECK])
+        | (agreed[ERROR] > 0)
+    )
 
 
-def mismatch_message(values: Sequence[float], own_step: int, own_count: int, rank: int) -> str:
+def mismatch_message(values: Sequence[float], own_step: int, own_check: int, rank: int) -> str:
     """The error for an agreement vector ``values`` (read on the host) that shows a mismatch."""
-    _, step_hi, neg_step_lo, n_hi, neg_n_lo = values
-    if n_hi != -neg_n_lo:
+    if values[ERROR] > 0:
+        code, other = divmod(int(values[ERROR]) - 1, 4096)
         return (
-            "ShardedGradScaler: the ranks reduce the found-inf flags of different optimizers: "
-            f"this rank (rank {rank}) checks an optimizer with {own_count} parameters, other "
-            f"ranks one with {int(-neg_n_lo)}..{int(n_hi)}. Every rank must call "
-            "unscale_/step/clip_grad_norm_ for the optimizers in the same order. If the ranks "
-            "own different parameters by design (pipeline-parallel stages), construct the "
-            "scaler with rank_local_params=True."
+            f"ShardedGradScaler: rank {other} {ERRORS.get(code, 'failed')} and raised; this rank "
+            f"(rank {rank}) stops here instead of waiting for it. Every rank must call "
+            "scale/unscale_/step/update in the same order for the same optimizers."
+        )
+    if values[STEP] != -values[NEG_STEP]:
+        return (
+            f"ShardedGradScaler: the ranks are out of step: this rank (rank {rank}) is at step "
+            f"{own_step} (update() calls) but the ranks of the process group range over steps "
+            f"{int(-values[NEG_STEP])}..{int(values[STEP])} (mod 2**24), so this found-inf all-reduce met "
+            "another iteration's. Every rank must call scale/step/update in the same order for the "
+            "same optimizers and load the same checkpoint (e.g. a rank stepped fewer optimizers, "
+            "skipped update(), or restored another step's scaler state)."
         )
     return (
-        f"ShardedGradScaler: the ranks are out of step: this rank (rank {rank}) is at step "
-        f"{own_step} (update() calls) but the ranks of the process group range over steps "
-        f"{int(-neg_step_lo)}..{int(step_hi)} (mod 2**24), so this found-inf all-reduce met "
-        "another iteration's. Every rank must call scale/step/update in the same order for the "
-        "same optimizers and load the same checkpoint (e.g. a rank stepped fewer optimizers, "
-        "skipped update(), or restored another step's scaler state)."
+        "ShardedGradScaler: the ranks reduce the found-inf flags of different checks: this "
+        f"rank (rank {rank}) makes its check number {own_check} of the iteration, other ranks "
+        f"numbers {int(-values[NEG_CHECK])}..{int(values[CHECK])}. Every rank must call "
+        "unscale_/step/clip_grad_norm_ for the same number of optimizers, in the same order."
     )
 
 

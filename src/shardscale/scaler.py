@@ -39,6 +39,12 @@ from ._report import OverflowReport, ParamNames, collapse_error, name_params, sc
 
 logger = logging.getLogger("shardscale")
 
+_STALE = (
+    "ShardedGradScaler: an optimizer is stepped (or unscaled) after update() with no scale() "
+    "since: its gradients were scaled before that update(), by a scale update() may have "
+    "changed. Call update() once per iteration, after every optimizer's step(): "
+    "scale(loss).backward() -> step(opt_1) ... step(opt_n) -> update()."
+)
 _ORDER = (
     "scaler.scale(loss).backward() -> [scaler.unscale_(opt)] -> scaler.step(opt) -> scaler.update()"
 )
@@ -266,6 +272,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         first = _first_tensor(outputs)  # validates the whole structure first
         if self._scale is None:
             self._lazy_init_scale_growth_tracker(first.device)
+        self._it.scaled = True
         scale: torch.Tensor = self._scale  # type: ignore[assignment]
         if isinstance(outputs, torch.Tensor):
             return outputs * to_device(scale, outputs.device)
@@ -297,12 +304,13 @@ class ShardedGradScaler(torch.amp.GradScaler):
             return
         state = self._opt_state("unscale_", optimizer)
         if state["stage"] is OptState.UNSCALED:
-            raise RuntimeError(
+            self._fail(
+                1,
                 "unscale_() has already been called on this optimizer since the last update(); "
-                f"call it at most once per optimizer per iteration: {_ORDER}."
+                f"call it at most once per optimizer per iteration: {_ORDER}.",
             )
         if state["stage"] is OptState.STEPPED:
-            raise RuntimeError(f"unscale_() is being called after step(); the order is {_ORDER}.")
+            self._fail(3, f"unscale_() is being called after step(); the order is {_ORDER}.")
         self._agree(optimizer, self._inv_scale())
         state["stage"] = OptState.UNSCALED
 
@@ -344,32 +352,36 @@ class ShardedGradScaler(torch.amp.GradScaler):
         """Local unscale/check, then the single all-reduce; stores and returns the agreed flag
         as ``state["found_inf_per_device"]``. On error the optimizer's iteration is not started.
 
-        The all-reduce carries ``[found_inf, step, -step, n, -n]`` (:func:`_sync.agree`): ranks
-        at different steps or reducing different optimizers' flags set the flag (the step is
-        skipped) and the alarm, read by :meth:`update`, raises naming the mismatch."""
+        The all-reduce carries ``[found_inf, step, -step, k, -k, scaled, error]``
+        (:func:`_sync.agree`; ``k``: the ordinal of this check in the iteration): ranks at
+        different steps or checks set the flag (the step is skipped) and the alarm, read by
+        :meth:`update`, raises naming the mismatch."""
         scale: torch.Tensor = self._scale  # type: ignore[assignment]
-        home = scale.device
+        home, it = scale.device, self._it
         try:
             zero = torch.zeros((), dtype=torch.float32, device=home)
-            local = combine_flags(self._unscale_grads_(optimizer, inv_scale, zero, True), home)
-            for flag in self._it.pre_unscaled_in(optimizer):  # unscaled by clip_grad_norm_
+            flags = self._unscale_grads_(optimizer, inv_scale, zero, True)
+            if flags and not it.scaled and it.last_scaled:
+                warnings.warn(_STALE, RuntimeWarning, stacklevel=3)
+            local = combine_flags(flags, home)
+            for flag in it.pre_unscaled_in(optimizer):  # unscaled by clip_grad_norm_
                 local = torch.maximum(local, flag)
             groups = _sync.resolve_groups(self.process_group)
+            agreed = None
             if groups:
-                count = (
-                    0
-                    if self.rank_local_params
-                    else sum(len(g["params"]) for g in optimizer.param_groups)
-                )
                 step = self._counters[0]  # type: ignore[index]
-                agreed = _sync.agree(local, step, count, groups)
+                agreed = _sync.agree(local, step, it.checks, it.scaled, groups)
                 bad = _sync.mismatch(agreed)
-                self._alarm.note_mismatch(bad, agreed, step, count)  # type: ignore[union-attr]
+                self._alarm.note_mismatch(bad, agreed, step, it.checks)  # type: ignore[union-attr]
                 local = torch.maximum(agreed[0], bad.float())
         except BaseException:
-            self._it.forget_if_untouched(optimizer)
+            it.forget_if_untouched(optimizer)
             raise
-        return self._it.checked(optimizer, local)["found_inf_per_device"]
+        it.checks += 1
+        state = it.checked(optimizer, local)
+        if agreed is not None:
+            state["scaled"] = agreed[_sync.SCALED] > 0  # did any rank call scale()?
+        return state["found_inf_per_device"]
 
     # ------------------------------------------------------------------- step
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -402,9 +414,10 @@ class ShardedGradScaler(torch.amp.GradScaler):
             raise RuntimeError("Closure use is not supported if ShardedGradScaler is enabled.")
         state = self._opt_state("step", optimizer)
         if state["stage"] is OptState.STEPPED:
-            raise RuntimeError(
+            self._fail(
+                1,
                 "step() has already been called on this optimizer since the last update(); "
-                f"the order is {_ORDER}, with update() once per iteration."
+                f"the order is {_ORDER}, with update() once per iteration.",
             )
         if not getattr(optimizer, "_step_supports_amp_scaling", False):
             if state["stage"] is OptState.READY:
@@ -498,16 +511,22 @@ class ShardedGradScaler(torch.amp.GradScaler):
         """
         if not self._enabled:
             return
-        if self._scale is None:
-            raise RuntimeError(f"update() was called before scale(); the order is {_ORDER}.")
         value = None if new_scale is None else self._check_new_scale(new_scale)  # validate first
-        if not self._it.checks()[0] and value is None:
-            raise RuntimeError(
+        if not self._it.inf_checks()[0] and value is None:
+            self._fail(
+                2,
                 "update() was called but no optimizer was stepped or unscaled since the last "
-                f"update(); the order is {_ORDER}."
+                f"update(); the order is {_ORDER}.",
             )
+        if self._scale is None:  # only update(new_scale) gets here
+            self._lazy_init_scale_growth_tracker(self._device)
         state = self._state()
+        anyone_scaled = self._anyone_scaled()
         found_inf, refs = self._it.close(state.scale.device)
+        if not anyone_scaled and value is None:
+            # no rank called scale() in this iteration: a step of checkpoint plumbing on zero
+            # gradients (torch.distributed.checkpoint's optimizer-state init): nothing to count
+            return
         if value is not None:
             old = state.scale.clone()
             state.scale.fill_(value)
@@ -529,6 +548,56 @@ class ShardedGradScaler(torch.amp.GradScaler):
             if it.host_overflow or (it.unread_steps and it.updates_since_poll >= POLL_EVERY):
                 self._poll()
             it.host_overflow = False
+
+    def _anyone_scaled(self) -> bool:
+        """Whether any rank called ``scale()`` in this iteration: this one (no host read), or
+        another, as the iteration's agreements say (one host read, on idle ranks only)."""
+        if self._it.scaled:
+            return True
+        seen = self._it.others_scaled()
+        return bool(torch.stack(seen).any()) if seen else False
+
+    def abandon(self) -> None:
+        """Abandon the current iteration, after ``unscale_``/``clip_grad_norm_`` and before
+        ``step``/``update`` (e.g. a gradient-norm guard of your own decided to skip it): the
+        iteration's records are dropped; the scale, its trackers and the counters stay as they
+        are; the next iteration starts with ``scale(loss)`` as usual. Call it on every rank of
+        the process group (decide from a value every rank agrees on, such as the norm
+        :meth:`clip_grad_norm_` returns): a rank that steps instead is out of step and the next
+        agreement raises naming it. No collective, no host read."""
+        self._it.abandon()
+
+    def place(self, device: torch.device | str) -> None:
+        """Create the scale state on ``device`` before the first :meth:`scale` (e.g. before a
+        CUDA graph capture or after ``load_state_dict``), or move it there. Idempotent; call it
+        at an iteration boundary.
+
+        Raises:
+            TypeError: ``device`` is not a str or ``torch.device``.
+            ValueError: the meta device (no data).
+        """
+        if not isinstance(device, (str, torch.device)):
+            raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}.")
+        device = torch.device(device)
+        if device.type == "meta":
+            raise ValueError("place() needs a device with data, got the meta device.")
+        if self._scale is None:
+            self._lazy_init_scale_growth_tracker(device)
+        elif self._scale.device != device:
+            moved = ScaleState(*(t.to(device) for t in dataclasses.astuple(self._state())))
+            self._scale, self._growth_tracker = moved.scale, moved.growth_tracker
+            self._hysteresis_tracker, self._counters = moved.hysteresis_tracker, moved.counters
+            self._alarm = Alarm(device)
+
+    def _fail(self, code: int, message: str) -> None:
+        """Raise the call-order error ``message``; on several ranks, first tell the others
+        through the all-reduce they wait in (:func:`_sync.poison`), so that they fail naming
+        this rank instead of timing out."""
+        groups = _sync.resolve_groups(self.process_group)
+        if groups and self._scale is not None:
+            steps = float(self._counters[0])  # type: ignore[index]  (error path: a read is fine)
+            _sync.poison(code, steps, self._it.checks, _sync.rank(), groups, self._scale.device)
+        raise RuntimeError(message)
 
     def _check_new_scale(self, new_scale: object) -> float:
         if isinstance(new_scale, torch.Tensor):
@@ -619,12 +688,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
             raise e.naming(self._names.current(), params) from None
         if not self._enabled:
             return _clip.clip_unscaled(buckets, p, max_norm_f, group)
-        if self._scale is None:
-            raise RuntimeError(
-                "clip_grad_norm_() was called before scale(); the order is "
-                "scaler.scale(loss).backward() -> scaler.clip_grad_norm_(...) -> scaler.step(opt) "
-                "-> scaler.update()."
-            )
+        if self._scale is None:  # an idle rank: no loss to scale since the start (or a resume)
+            self._lazy_init_scale_growth_tracker(params[0].device if params else self._device)
         if not is_opt:
             return self._clip_params(buckets, params, p, max_norm_f, group)
         optimizer: Any = optimizer_or_params
@@ -650,20 +715,22 @@ class ShardedGradScaler(torch.amp.GradScaler):
             )
         fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
         try:
-            total, state["grad_scale"], found_inf = self._norm_and_clip(
+            total, state["grad_scale"], found_inf, anyone = self._norm_and_clip(
                 buckets, p, max_norm_f, group, fused
             )
         except BaseException:
             self._it.forget_if_untouched(optimizer)
             raise
-        self._it.checked(optimizer, found_inf)["stage"] = OptState.UNSCALED
+        state = self._it.checked(optimizer, found_inf)
+        state["stage"], state["scaled"] = OptState.UNSCALED, anyone
         return total
 
     def _norm_and_clip(
         self, buckets: _clip.Buckets, p: float, max_norm: float, group: Any, fused: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
         scale: torch.Tensor = self._scale  # type: ignore[assignment]
-        return _clip.norm_and_clip(buckets, scale, self._inv_scale(), p, max_norm, group, fused)
+        inv, scaled = self._inv_scale(), self._it.scaled
+        return _clip.norm_and_clip(buckets, scale, inv, p, max_norm, group, fused, scaled)
 
     def _clip_params(
         self,
@@ -689,7 +756,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
                         ".backward() -> scaler.clip_grad_norm_(params, max_norm) -> "
                         "scaler.step(opt)."
                     )
-        total, _, found_inf = self._norm_and_clip(buckets, p, max_norm, group, fused=False)
+        total, _, found_inf, _ = self._norm_and_clip(buckets, p, max_norm, group, fused=False)
         for q in params:
             self._it.pre_unscaled[id(q)] = found_inf
         return total
@@ -755,7 +822,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         :meth:`update` and before ``zero_grad()``. Returns None without scanning when the
         iteration was clean (one host read to know).
         """
-        flags, refs = self._it.checks()
+        flags, refs = self._it.inf_checks()
         if flags:  # mid-iteration: what was checked so far
             scale: torch.Tensor = self._scale  # type: ignore[assignment]
             found = sum(to_device(f, scale.device) for f in flags)
@@ -888,6 +955,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         )
         if fresh is not None:
             self._state().copy_from(fresh)
+        self._it.last_scaled = None  # a step before the next scale() is checkpoint plumbing
 
     def __getstate__(self) -> dict[str, Any]:
         if self._it.started():
@@ -940,8 +1008,9 @@ class ShardedGradScaler(torch.amp.GradScaler):
             raise TypeError(
                 f"{method}() takes a torch.optim.Optimizer, got {type(optimizer).__name__}."
             )
-        if self._scale is None:
-            raise RuntimeError(f"{method}() was called before scale(): the order is {_ORDER}.")
+        if self._scale is None:  # an idle rank: no loss to scale since the start (or a resume)
+            params = list(iter_params(optimizer))
+            self._lazy_init_scale_growth_tracker(params[0].device if params else self._device)
         return self._it.record(optimizer)
 
 
