@@ -234,3 +234,33 @@ def test_place_creates_the_state_before_the_first_scale_and_is_idempotent():
     s.place(torch.device("cpu"))
     assert s._get_scale_async() is scale  # the same tensor: a CUDA graph may hold it
     assert s.scale(torch.ones(())).item() == 64.0
+
+
+# ------------------------------------------------------------- a user-set grad_scale
+@pytest.mark.parametrize("path", ["step", "unscale_", "clip_grad_norm_"])
+def test_a_user_set_grad_scale_of_a_fused_optimizer_is_honoured_on_every_path(path):
+    """pytorch#123428: optimizer.grad_scale set by the user (e.g. gradients accumulated over 2
+    micro-batches: divide by 2) must divide the update on every path, every step: the result
+    equals halving the gradients by hand, and the user's value is there again afterwards."""
+    out = []
+    for user_scale in (2.0, None):
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(6))
+        opt = torch.optim.SGD([w], lr=0.1, momentum=0.9, fused=True)  # the update ~ the gradient
+        s = ShardedGradScaler("cpu", init_scale=2.0**10)
+        for i in range(3):
+            opt.zero_grad()
+            factor = 1.0 if user_scale else 0.5
+            s.scale((w * torch.arange(6.0) * (i + 1) * factor).sum()).backward()
+            if user_scale:
+                opt.grad_scale = torch.tensor(user_scale)
+            if path == "unscale_":
+                s.unscale_(opt)
+            elif path == "clip_grad_norm_":
+                s.clip_grad_norm_(opt, 1e9)
+            s.step(opt)
+            s.update()
+            if user_scale:
+                assert opt.grad_scale.item() == user_scale  # not dropped
+        out.append(w.detach().clone())
+    torch.testing.assert_close(out[0], out[1], rtol=1e-6, atol=1e-7)
