@@ -264,3 +264,92 @@ def test_a_user_set_grad_scale_of_a_fused_optimizer_is_honoured_on_every_path(pa
                 assert opt.grad_scale.item() == user_scale  # not dropped
         out.append(w.detach().clone())
     torch.testing.assert_close(out[0], out[1], rtol=1e-6, atol=1e-7)
+
+
+# ------------------------------------------------------ an overflow made by the unscale
+class _KernelCalls(torch.overrides.TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.unscales = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.unscales += func is torch._amp_foreach_non_finite_check_and_unscale_
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("path", ["step", "fused", "unscale_", "clip_grad_norm_", "fused_clip"])
+def test_gradients_that_overflow_only_once_unscaled_are_skipped(dtype, path):
+    """pytorch#96755: a scale below 1 multiplies the gradients by 1/scale > 1: finite values
+    near the dtype's top become inf. torch writes them into the parameters; here the step is
+    skipped and the scale backs off, as for any overflow."""
+    big = 40000.0 if dtype == torch.float16 else 3e38  # finite; times 1/0.5 is not
+    w = torch.nn.Parameter(torch.zeros(4, dtype=dtype))
+    opt = torch.optim.SGD([w], lr=1e-9, fused=path.startswith("fused"))
+    s = ShardedGradScaler("cpu", init_scale=0.5, min_scale=2.0**-10)
+    s.scale(torch.ones(()))
+    w.grad = torch.tensor([1.0, big, 2.0, 3.0], dtype=dtype)
+    if path == "unscale_":
+        s.unscale_(opt)
+    elif path in ("clip_grad_norm_", "fused_clip"):
+        s.clip_grad_norm_(opt, 1e30)
+    s.step(opt)
+    s.update()
+    assert bool(s.last_step_skipped(opt)) and s.get_scale() == 0.25
+    assert torch.equal(w.detach(), torch.zeros(4, dtype=dtype))
+
+
+def test_torch_writes_such_an_overflow_into_the_parameters():
+    w = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([w], lr=1.0)
+    s = torch.amp.GradScaler("cpu", init_scale=0.5)
+    s.scale(torch.ones(()))
+    w.grad = torch.tensor([1.0, 3e38])
+    s.step(opt)
+    s.update()
+    assert torch.isinf(w.detach()[1]) and s.get_scale() == 0.5 * 2**0  # no backoff either
+
+
+def _low_scale_two_ranks(rank: int, world_size: int) -> list:
+    w = torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))
+    opt = torch.optim.SGD([w], lr=1e-3)
+    s = ShardedGradScaler("cpu", init_scale=0.5, min_scale=2.0**-10, growth_interval=10**6)
+    out = []
+    for i in range(3):
+        s.scale(torch.ones(()))
+        # rank 1's gradient overflows only once unscaled, at iteration 1
+        big = 40000.0 if (rank == 1 and i == 1) else 1.0
+        w.grad = torch.tensor([1.0, big, 1.0], dtype=torch.float16)
+        s.step(opt)
+        s.update()
+        out.append((bool(s.last_step_skipped(opt)), s.get_scale(), w.detach().tolist()))
+    return out
+
+
+@pytest.mark.dist
+def test_every_rank_skips_an_overflow_made_by_one_ranks_unscale(tmp_path):
+    r0, r1 = run_ranks(_low_scale_two_ranks, tmp_path)
+    assert r0 == r1
+    assert [skipped for skipped, _, _ in r0] == [False, True, False]
+    assert [scale for _, scale, _ in r0] == [0.5, 0.25, 0.25]
+    assert all(all(v == v and abs(v) < 1 for v in params) for _, _, params in r0)
+
+
+@pytest.mark.parametrize("init_scale", [1.0, 2.0**16])
+def test_no_extra_pass_when_the_scale_is_at_least_one(init_scale):
+    w = torch.nn.Parameter(torch.zeros(4))
+    opt = torch.optim.SGD([w], lr=0.1)
+    s = ShardedGradScaler("cpu", init_scale=init_scale, min_scale=2.0**-10)
+    for _ in range(3):
+        s.scale(torch.ones(()))
+        w.grad = torch.ones(4)
+        with _KernelCalls() as calls:
+            s.step(opt)
+        s.update()
+        assert calls.unscales == 1
+    s.load_state_dict({**s.state_dict(), "scale": 0.5})
+    s.scale(torch.ones(()))
+    w.grad = torch.ones(4)
+    with _KernelCalls() as calls:
+        s.step(opt)
+    assert calls.unscales == 2  # below 1: the unscaled gradients are checked again

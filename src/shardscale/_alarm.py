@@ -60,23 +60,29 @@ class Alarm:
         )
         torch.where(first, record, m, out=m)
 
-    def read(self, rank: int) -> tuple[int, float] | None:
-        """Read the alarm (one host read): ``(step, scale)`` of a recorded collapse (``step``:
-        its 0-based index; then forgotten, so the next one is recorded), else None.
+    def read(self, rank: int, scale_now: torch.Tensor) -> tuple[tuple[int, float] | None, float]:
+        """Read the alarm and ``scale_now`` (one host read): ``(step, scale)`` of a recorded
+        collapse (``step``: its 0-based index; then forgotten, so the next one is recorded) or
+        None, and the current scale.
 
         Raises:
             RuntimeError: the ranks disagreed (another step or another optimizer), named.
         """
         values = torch.cat(
-            [self.collapse_step.reshape(1), self.collapse_scale.reshape(1), self.mismatch]
+            [
+                self.collapse_step.reshape(1),
+                self.collapse_scale.reshape(1),
+                scale_now.to(self.mismatch.dtype).reshape(1),
+                self.mismatch,
+            ]
         ).tolist()
-        step, scale, mismatch = values[0], values[1], values[2:]
+        step, scale, now, mismatch = values[0], values[1], values[2], values[3:]
         if mismatch[_SEEN]:
             own_step, own_check = int(mismatch[_OWN_STEP]), int(mismatch[_OWN_CHECK])
             raise RuntimeError(
                 mismatch_message(mismatch[_AGREED:_OWN_STEP], own_step, own_check, rank)
             )
         if step < 0:
-            return None
+            return None, now
         self.collapse_step.fill_(-1)
-        return int(step) - 1, scale
+        return (int(step) - 1, scale), now

@@ -170,7 +170,9 @@ def _pieces(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def _local_piece(grads: list[torch.Tensor], p: float, inv: torch.Tensor | None) -> torch.Tensor:
+def _local_piece(
+    grads: list[torch.Tensor], p: float, inv: torch.Tensor | None, guard: bool = False
+) -> torch.Tensor:
     """sum(|g / scale|^p) over ``grads`` (max(|g / scale|) for p = inf), a 0-d float32 (float64
     for float64 gradients): per-tensor norms of the *scaled* gradients (fp16 ones accumulated in
     fp32, piece by piece: an fp16 norm would overflow at 65504), each multiplied by ``inv``
@@ -183,6 +185,11 @@ def _local_piece(grads: list[torch.Tensor], p: float, inv: torch.Tensor | None) 
     stacked = torch.stack(norms).to(acc)
     if inv is not None:
         stacked = stacked * inv.to(device=stacked.device, dtype=acc)
+    if guard and grads[0].dtype != acc:
+        # a scale below 1: an unscaled value may leave fp16/bf16 while the fp32 norm is finite;
+        # no element exceeds its tensor's norm, so a norm past the dtype's range counts as one
+        limit = torch.finfo(grads[0].dtype).max
+        stacked = torch.where(stacked > limit, math.inf, stacked)
     if math.isinf(p):
         return stacked.max()
     return (stacked * stacked).sum() if p == 2.0 else stacked.pow(p).sum()
@@ -195,20 +202,22 @@ def global_norm(
     home: torch.device,
     group: Any,
     scaled: bool = True,
+    guard: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The total norm over shards and ranks (0-d float32 on ``home``), the agreed found-inf
     flag (0-d float32: 1.0 if any gradient anywhere was inf/NaN) and whether any rank ``scaled``
     (0-d bool: this rank called ``scale()`` in the iteration).
 
     One all-reduce of ``[sharded, replicated (group rank 0 only), nonfinite, scaled]`` over
-    ``group`` (SUM; MAX for p = inf), none without a group. A per-tensor norm of scaled gradients past
+    ``group`` (SUM; MAX for p = inf), none without a group. ``guard`` (a scale that may be
+    below 1): a per-tensor unscaled norm past an fp16/bf16 gradient's range is an overflow. A per-tensor norm of scaled gradients past
     fp32's range (with the default scale, fp32 gradients of norm above ~1e34) reads as an
     overflow: the step is skipped and the scale backs off.
     """
     is_inf = math.isinf(p)
     parts = [torch.zeros((), dtype=torch.float32, device=home) for _ in range(2)]
     for (_, _, sharded), grads in buckets.items():
-        piece = to_device(_local_piece(grads, p, inv_scale).float(), home)
+        piece = to_device(_local_piece(grads, p, inv_scale, guard).float(), home)
         i = 0 if sharded else 1
         parts[i] = torch.maximum(parts[i], piece) if is_inf else parts[i] + piece
     sharded_part, replicated_part = parts
@@ -301,11 +310,14 @@ def norm_and_clip(
     group: Any,
     fused: bool,
     scaled: bool = True,
+    guard: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """The whole clip of scaled gradients: ``(total norm, grad_scale for a fused kernel or
     None, agreed found_inf, whether any rank scaled)`` (:func:`global_norm`,
     :func:`clip_coef`, :func:`unscale_and_clip`)."""
-    total, found_inf, anyone = global_norm(buckets, p, inv_scale, scale.device, group, scaled)
+    total, found_inf, anyone = global_norm(
+        buckets, p, inv_scale, scale.device, group, scaled, guard
+    )
     coef = clip_coef(total, max_norm)
     grad_scale, found_inf = unscale_and_clip(buckets, scale, inv_scale, coef, found_inf, fused)
     return total, grad_scale, found_inf, anyone

@@ -71,6 +71,9 @@ class Iteration:
         last_scaled: whether it was in the iteration the last ``update()`` closed (None: no
             update since the scaler was made or loaded).
         checks: the agreements made in this iteration (the next one's ordinal).
+        blind: a step of this iteration whose flag the host did not read (a fused one).
+        floor: a lower bound of the scale known to the host without reading it (it can only
+            back off by ``backoff_factor`` per update the host did not see clean).
     """
 
     states: dict[int, dict[str, Any]] = dataclasses.field(
@@ -85,6 +88,8 @@ class Iteration:
     scaled: bool = False
     last_scaled: bool | None = None
     checks: int = 0
+    blind: bool = False
+    floor: float = 1.0
 
     def record(self, optimizer: Any) -> dict[str, Any]:
         """``optimizer``'s record, created READY if new (inserted explicitly: ``torch.compile``
@@ -107,6 +112,15 @@ class Iteration:
         if state is not None and state["stage"] is OptState.READY:
             if not state["found_inf_per_device"]:
                 del self.states[id(optimizer)]
+
+    def seen_clean(self) -> bool:
+        """Whether the host read every flag of this iteration (non-fused steps) and none was
+        set: the scale cannot have backed off."""
+        return not (self.blind or self.host_overflow or self.pre_unscaled) and all(
+            s["stage"] is OptState.STEPPED
+            for s in self.states.values()
+            if s["found_inf_per_device"]
+        )
 
     def started(self) -> bool:
         """Whether anything was unscaled, checked or stepped since the last update."""
@@ -151,4 +165,4 @@ class Iteration:
         """Clear this iteration's records (``close`` without the sum)."""
         self.states = defaultdict(fresh_state)
         self.pre_unscaled = {}
-        self.last_scaled, self.scaled, self.checks = self.scaled, False, 0
+        self.last_scaled, self.scaled, self.checks, self.blind = self.scaled, False, 0, False

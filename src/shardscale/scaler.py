@@ -185,7 +185,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         self.rank_local_params = rank_local_params
         self._report_overflows = report_overflows
         self._names = names
-        self._it = Iteration()  # the record of this iteration and of the last one
+        self._it = Iteration(floor=init)  # the record of this iteration and of the last one
         self._last_report: OverflowReport | None = None
 
     @classmethod
@@ -311,7 +311,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
             )
         if state["stage"] is OptState.STEPPED:
             self._fail(3, f"unscale_() is being called after step(); the order is {_ORDER}.")
-        self._agree(optimizer, self._inv_scale())
+        self._agree(optimizer, self._inv_scale(), unscaling=True)
         state["stage"] = OptState.UNSCALED
 
     def _inv_scale(self) -> torch.Tensor:
@@ -347,7 +347,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         return self._agree(optimizer, torch.ones_like(self._scale))  # type: ignore[arg-type]
 
     def _agree(
-        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor
+        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, unscaling: bool = False
     ) -> dict[Any, torch.Tensor]:
         """Local unscale/check, then the single all-reduce; stores and returns the agreed flag
         as ``state["found_inf_per_device"]``. On error the optimizer's iteration is not started.
@@ -364,6 +364,9 @@ class ShardedGradScaler(torch.amp.GradScaler):
             if flags and not it.scaled and it.last_scaled:
                 warnings.warn(_STALE, RuntimeWarning, stacklevel=3)
             local = combine_flags(flags, home)
+            if unscaling and it.floor < 1.0:  # 1/scale > 1: finite gradients may overflow now
+                again = self._unscale_grads_(optimizer, torch.ones_like(inv_scale), zero, True)
+                local = torch.maximum(local, combine_flags(again, home))
             for flag in it.pre_unscaled_in(optimizer):  # unscaled by clip_grad_norm_
                 local = torch.maximum(local, flag)
             groups = _sync.resolve_groups(self.process_group)
@@ -433,7 +436,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
             )
             state["optimizer"] = weakref.ref(optimizer)
             retval = optimizer.step(*args, **{**kwargs, "grad_scaler": self})
-            self._it.unread_steps = True
+            self._it.unread_steps = self._it.blind = True
             flags = list(state["found_inf_per_device"].values())
             skipped = sum(flags) > 0 if flags else torch.tensor(False, device="cpu")
             self._it.skipped[id(optimizer)] = skipped  # type: ignore[assignment]
@@ -446,8 +449,10 @@ class ShardedGradScaler(torch.amp.GradScaler):
         """Hand ``grad_scale`` and the agreed ``found_inf`` to a fused optimizer's kernel."""
         scale: torch.Tensor = self._scale  # type: ignore[assignment]
         if state["stage"] is OptState.READY:
-            if self._it.pre_unscaled_in(optimizer):
-                self.unscale_(optimizer)  # part is unscaled already: unscale the rest in place
+            if self._it.pre_unscaled_in(optimizer) or self._it.floor < 1.0:
+                # part is unscaled already, or the scale may be below 1 (the kernel's 1/scale
+                # could overflow unseen): unscale in place, checked
+                self.unscale_(optimizer)
             else:
                 self._check_inf_per_device(optimizer)  # check only: the kernel unscales
                 state["grad_scale"] = scale
@@ -465,7 +470,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
             else:
                 optimizer.grad_scale = user
         self._it.skipped[id(optimizer)] = found_inf > 0  # type: ignore[operator]
-        self._it.unread_steps = True
+        self._it.unread_steps = self._it.blind = True
         return retval
 
     @torch.compiler.disable
@@ -522,6 +527,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
             self._lazy_init_scale_growth_tracker(self._device)
         state = self._state()
         anyone_scaled = self._anyone_scaled()
+        seen_clean = self._it.seen_clean()
         found_inf, refs = self._it.close(state.scale.device)
         if not anyone_scaled and value is None:
             # no rank called scale() in this iteration: a step of checkpoint plumbing on zero
@@ -541,11 +547,16 @@ class ShardedGradScaler(torch.amp.GradScaler):
             last = self._it.last = LastStep(state.counters, -1, old, found_inf, refs)
         self._last_report = None  # a mid-iteration report may miss optimizers stepped later
         if not torch.compiler.is_compiling():
-            it = self._it
+            it, config = self._it, self._config
+            if value is not None:
+                it.floor = value
+            elif config.dynamic and not seen_clean:
+                it.floor = max(it.floor * config.backoff_factor, config.min_scale)
             if last is not None and self._report_overflows and bool(last.found_inf > 0):
                 logger.warning("%s", self._build_report(last))
             it.updates_since_poll += 1
-            if it.host_overflow or (it.unread_steps and it.updates_since_poll >= POLL_EVERY):
+            due = it.unread_steps and it.updates_since_poll >= POLL_EVERY
+            if it.host_overflow or due or it.floor < 1.0:
                 self._poll()
             it.host_overflow = False
 
@@ -620,7 +631,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         """Read the alarm (one host read): raise on a rank mismatch, raise or warn on a collapse
         (every rank polls at the same update, so the report is gathered over the ranks)."""
         self._it.updates_since_poll, self._it.unread_steps = 0, False
-        collapse = self._alarm.read(_sync.rank())  # type: ignore[union-attr]
+        collapse, self._it.floor = self._alarm.read(_sync.rank(), self._scale)  # type: ignore[union-attr,arg-type]
         if collapse is None:
             return
         entries = self._scan(self._it.last.live_optimizers() if self._it.last else [])
@@ -713,7 +724,10 @@ class ShardedGradScaler(torch.amp.GradScaler):
                 "scaler.scale(loss).backward() -> scaler.clip_grad_norm_(opt, max_norm) -> "
                 "scaler.step(opt) -> scaler.update()."
             )
-        fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+        # a scale below 1 is not folded (the kernel's division could overflow unseen)
+        fused = (
+            bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and self._it.floor >= 1
+        )
         try:
             total, state["grad_scale"], found_inf, anyone = self._norm_and_clip(
                 buckets, p, max_norm_f, group, fused
@@ -729,8 +743,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
         self, buckets: _clip.Buckets, p: float, max_norm: float, group: Any, fused: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
         scale: torch.Tensor = self._scale  # type: ignore[assignment]
-        inv, scaled = self._inv_scale(), self._it.scaled
-        return _clip.norm_and_clip(buckets, scale, inv, p, max_norm, group, fused, scaled)
+        inv, scaled, low = self._inv_scale(), self._it.scaled, self._it.floor < 1.0
+        return _clip.norm_and_clip(buckets, scale, inv, p, max_norm, group, fused, scaled, low)
 
     def _clip_params(
         self,
@@ -956,6 +970,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         if fresh is not None:
             self._state().copy_from(fresh)
         self._it.last_scaled = None  # a step before the next scale() is checkpoint plumbing
+        self._it.floor = loaded.scale
 
     def __getstate__(self) -> dict[str, Any]:
         if self._it.started():
