@@ -81,8 +81,54 @@ def resolve_groups(process_group: ProcessGroupLike) -> list[Any]:
         items = [process_group]
     groups: list[Any] = []
     for item in items:
-        groups.extend(item.get_all_groups() if _is_mesh(item) else [item])
+        groups.extend(_mesh_dims(item) if _is_mesh(item) else [item])
     return [g for g in groups if g.size() > 1]
+
+
+@torch.compiler.disable  # DeviceMesh's methods are opaque to torch.compile: kept eager
+def _mesh_dims(mesh: Any) -> list[Any]:
+    return list(mesh.get_all_groups())
+
+
+def _contains(outer: Any, inner: Any) -> bool:
+    """Whether every rank of group ``inner`` is in group ``outer``."""
+    if dist.is_initialized() and outer is dist.group.WORLD:
+        return True
+    return set(dist.get_process_group_ranks(inner)) <= set(dist.get_process_group_ranks(outer))
+
+
+def cover(process_group: ProcessGroupLike, meshes: Sequence[Any]) -> list[Any]:
+    """The groups to agree over: :func:`resolve_groups` of ``process_group`` plus the
+    dimensions of ``meshes`` (the DeviceMeshes of DTensor parameters) whose ranks no group
+    contains, since the ranks holding pieces of one parameter (tensor parallelism on a dp x tp
+    mesh, with the scaler given the dp group) must take the same skip decision. When that takes
+    several groups and a mesh spans every rank, the default group replaces them: one
+    all-reduce."""
+    groups = resolve_groups(process_group)
+    return _with_mesh_dims(process_group, groups, meshes) if meshes else groups
+
+
+@torch.compiler.disable  # DeviceMesh's methods are opaque to torch.compile: kept eager
+def _with_mesh_dims(
+    process_group: ProcessGroupLike, groups: list[Any], meshes: Sequence[Any]
+) -> list[Any]:
+    extra: list[Any] = []
+    for mesh in meshes:
+        for group in _mesh_dims(mesh):
+            if group.size() > 1 and not any(_contains(h, group) for h in groups + extra):
+                extra.append(group)
+    groups = groups + extra
+    if len(groups) > 1:
+        spanning = [*meshes, *(m for m in _items(process_group) if _is_mesh(m))]
+        if any(m.size() == dist.get_world_size() for m in spanning):
+            return [dist.group.WORLD]
+    return groups
+
+
+def _items(process_group: ProcessGroupLike) -> list[Any]:
+    if process_group is None:
+        return []
+    return list(process_group) if isinstance(process_group, (list, tuple)) else [process_group]
 
 
 @torch.compiler.assume_constant_result  # torch.compile: read once when tracing, a constant

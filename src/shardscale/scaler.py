@@ -369,7 +369,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
                 local = torch.maximum(local, combine_flags(again, home))
             for flag in it.pre_unscaled_in(optimizer):  # unscaled by clip_grad_norm_
                 local = torch.maximum(local, flag)
-            groups = _sync.resolve_groups(self.process_group)
+            groups = _sync.cover(self.process_group, _meshes(optimizer))
             agreed = None
             if groups:
                 step = self._counters[0]  # type: ignore[index]
@@ -1027,6 +1027,16 @@ class ShardedGradScaler(torch.amp.GradScaler):
             params = list(iter_params(optimizer))
             self._lazy_init_scale_growth_tracker(params[0].device if params else self._device)
         return self._it.record(optimizer)
+
+
+def _meshes(optimizer: Any) -> list[Any]:
+    """The DeviceMeshes of ``optimizer``'s DTensor parameters (each once)."""
+    meshes: dict[int, Any] = {}
+    for p in iter_params(optimizer):
+        mesh = getattr(p, "device_mesh", None) if type(p) is not torch.nn.Parameter else None
+        if mesh is not None:
+            meshes.setdefault(id(mesh), mesh)
+    return list(meshes.values())
 
 
 def _first_tensor(outputs: object) -> torch.Tensor:
