@@ -1,0 +1,8 @@
+"""Framework integrations, each imported on demand (the frameworks are optional extras):
+
+* :mod:`shardscale.integrations.lightning`: ``ShardscalePrecision``, ``LossScaleMonitor``
+  (``pip install shardscale[lightning]``);
+* :mod:`shardscale.integrations.accelerate`: ``use_shardscale`` (``shardscale[accelerate]``);
+* :mod:`shardscale.integrations.transformers`: ``ShardscaleCallback``
+  (``shardscale[transformers]``).
+"""
