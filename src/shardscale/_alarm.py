@@ -22,27 +22,26 @@ class Alarm:
     """Device-side record of the first collapse and the first rank mismatch since the last read.
 
     Attributes:
-        collapse_step: 0-d float64 (float32 on MPS): ``update()`` calls after the first
-            collapse, -1 if none.
-        collapse_scale: 0-d, same dtype: the scale the collapsing step used.
+        collapse: 1-d float64 (float32 on MPS): ``update()`` calls after the first collapse (-1
+            if none) and the scale the collapsing step used. (Not two 0-d tensors:
+            ``torch.compile``'s AOT backends drop writes into 0-d float64 inputs.)
         mismatch: 1-d, same dtype: 1 if the ranks disagreed, that agreement vector
             (:func:`shardscale._sync.agree`), this rank's step count and check ordinal then.
     """
 
     def __init__(self, device: torch.device) -> None:
         dtype = math_dtype(device)
-        self.collapse_step = torch.full((), -1.0, dtype=dtype, device=device)
-        self.collapse_scale = torch.zeros((), dtype=dtype, device=device)
+        self.collapse = torch.full((2,), -1.0, dtype=dtype, device=device)
         self.mismatch = torch.zeros(_OWN_CHECK + 1, dtype=dtype, device=device)
 
     def note_collapse(
         self, collapsed: torch.Tensor, steps: torch.Tensor, scale: torch.Tensor
     ) -> None:
         """Record ``steps`` (0-d: ``update()`` calls so far, this one included) and ``scale``
-        if ``collapsed`` (0-d bool) and no collapse is recorded yet: 4 tensor operations."""
-        first = collapsed & (self.collapse_step < 0)
-        torch.where(first, steps, self.collapse_step, out=self.collapse_step)
-        torch.where(first, scale, self.collapse_scale, out=self.collapse_scale)
+        if ``collapsed`` (0-d bool) and no collapse is recorded yet: 6 tensor operations."""
+        first = collapsed & (self.collapse[0] < 0)
+        record = torch.stack([steps.to(self.collapse.dtype), scale.to(self.collapse.dtype)])
+        self.collapse.copy_(torch.where(first, record, self.collapse))
 
     def note_mismatch(
         self, bad: torch.Tensor, agreed: torch.Tensor, step: torch.Tensor, check: int
@@ -58,7 +57,7 @@ class Alarm:
                 m.new_full((1,), check),
             ]
         )
-        torch.where(first, record, m, out=m)
+        m.copy_(torch.where(first, record, m))
 
     def read(self, rank: int, scale_now: torch.Tensor) -> tuple[tuple[int, float] | None, float]:
         """Read the alarm and ``scale_now`` (one host read): ``(step, scale)`` of a recorded
@@ -70,8 +69,7 @@ class Alarm:
         """
         values = torch.cat(
             [
-                self.collapse_step.reshape(1),
-                self.collapse_scale.reshape(1),
+                self.collapse,
                 scale_now.to(self.mismatch.dtype).reshape(1),
                 self.mismatch,
             ]
@@ -84,5 +82,5 @@ class Alarm:
             )
         if step < 0:
             return None, now
-        self.collapse_step.fill_(-1)
+        self.collapse[0] = -1
         return (int(step) - 1, scale), now

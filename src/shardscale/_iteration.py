@@ -74,6 +74,7 @@ class Iteration:
         blind: a step of this iteration whose flag the host did not read (a fused one).
         floor: a lower bound of the scale known to the host without reading it (it can only
             back off by ``backoff_factor`` per update the host did not see clean).
+        steps_since_update: steps since the last eager ``update()`` (a compiled loop's count).
     """
 
     states: dict[int, dict[str, Any]] = dataclasses.field(
@@ -90,6 +91,7 @@ class Iteration:
     checks: int = 0
     blind: bool = False
     floor: float = 1.0
+    steps_since_update: int = 0
 
     def record(self, optimizer: Any) -> dict[str, Any]:
         """``optimizer``'s record, created READY if new (inserted explicitly: ``torch.compile``

@@ -460,18 +460,37 @@ class ShardedGradScaler(torch.amp.GradScaler):
         folded = state.get("grad_scale")  # the scale, or clip_grad_norm_'s scale / clip_coef
         grad_scale = user if folded is None else folded if user is None else folded * user
         found_inf = sum(to_device(f, scale.device) for f in state["found_inf_per_device"].values())
+        self._it.skipped[id(optimizer)] = found_inf > 0  # type: ignore[operator]
+        self._it.unread_steps = self._it.blind = True
+        return self._call_fused(optimizer, grad_scale, found_inf, user, *args, **kwargs)
+
+    @torch.compiler.disable
+    def _call_fused(
+        self, optimizer: Any, grad_scale: Any, found_inf: Any, user: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        """``optimizer.step`` with ``grad_scale``/``found_inf`` set (the user's ``grad_scale``
+        put back after), kept out of ``torch.compile`` graphs with the optimizer's step (which
+        breaks them by itself) and :meth:`_catch_up`."""
+        self._catch_up()
         optimizer.grad_scale, optimizer.found_inf = grad_scale, found_inf
         try:
-            retval = optimizer.step(*args, **kwargs)
+            return optimizer.step(*args, **kwargs)
         finally:
             del optimizer.found_inf
             if user is None:
                 del optimizer.grad_scale
             else:
                 optimizer.grad_scale = user
-        self._it.skipped[id(optimizer)] = found_inf > 0  # type: ignore[operator]
-        self._it.unread_steps = self._it.blind = True
-        return retval
+
+    def _catch_up(self) -> None:
+        """In a ``torch.compile``-d loop ``update()`` reads nothing on the host; the steps (kept
+        eager) read the alarm every ``POLL_EVERY`` of them instead: a collapse then raises from
+        ``step()``. Eager ``update()`` calls reset the count, so this never reads in eager code."""
+        it = self._it
+        it.steps_since_update += 1
+        if it.steps_since_update > POLL_EVERY:
+            it.steps_since_update = 0
+            self._poll()
 
     @torch.compiler.disable
     def _maybe_opt_step(
@@ -484,6 +503,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         """The one host read of a non-fused step (kept out of ``torch.compile`` graphs):
         ``optimizer.step`` only if no rank overflowed. An overflow (or a rank mismatch, which
         sets the flag too) has ``update`` read the alarm in this iteration."""
+        self._catch_up()
         flags = list(optimizer_state["found_inf_per_device"].values())
         overflow = bool(sum(f.item() for f in flags))
         self._it.skipped[id(optimizer)] = torch.tensor(overflow, device="cpu")
@@ -555,6 +575,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
             if last is not None and self._report_overflows and bool(last.found_inf > 0):
                 logger.warning("%s", self._build_report(last))
             it.updates_since_poll += 1
+            it.steps_since_update = 0
             due = it.unread_steps and it.updates_since_poll >= POLL_EVERY
             if it.host_overflow or due or it.floor < 1.0:
                 self._poll()
