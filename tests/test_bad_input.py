@@ -362,12 +362,20 @@ case("get_scale-extra_arg", "updated", lambda s, m, o: s.get_scale(1), TypeError
 case("metrics-extra_arg", "updated", lambda s, m, o: s.metrics(1), TypeError, "argument")
 case("state_dict-extra_arg", "updated", lambda s, m, o: s.state_dict({}), TypeError, "argument")
 case(
-    "overflow_report-extra_arg",
+    "overflow_report-all_ranks_int",
     "updated",
     lambda s, m, o: s.overflow_report(1),
     TypeError,
+    "all_ranks must be a bool",
+)
+case(
+    "overflow_report-extra_arg",
+    "updated",
+    lambda s, m, o: s.overflow_report(True, 1),
+    TypeError,
     "argument",
 )
+case("join_hook-positional", "updated", lambda s, m, o: s.join_hook(1), TypeError, "argument")
 
 # ------------------------------------------------------------ load_state_dict
 for cid, make, exc, match in [

@@ -101,7 +101,7 @@ def _overflow_reports(rank):
                 params[name].grad.view(-1)[index] = value
         scaler.step(opt)
         scaler.update()
-        report = scaler.overflow_report()
+        report = scaler.overflow_report(all_ranks=True)
         out[i] = (_entries(report), None if report is None else (report.step, report.scale))
     out["checksum"] = _checksum(model)
     return out
@@ -166,7 +166,7 @@ def _bf16(rank, guarded: bool):
             scaler.update()
             skipped.append(bool(scaler.last_step_skipped(opt)))
             if flag:
-                report = _entries(scaler.overflow_report())
+                report = _entries(scaler.overflow_report(all_ranks=True))
     out = {
         "checksum": _checksum(model),
         "nan": any(torch.isnan(p).any().item() for p in model.parameters()),
@@ -266,7 +266,7 @@ def _fsdp2_no_reshard_names(rank: int, world_size: int):
     s.scale((m(torch.randn(2, 4)) * float("inf")).sum()).backward()
     s.step(opt)
     s.update()
-    return sorted(set(s.overflow_report().names))
+    return sorted(set(s.overflow_report(all_ranks=True).names))
 
 
 @pytest.mark.dist

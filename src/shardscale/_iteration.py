@@ -71,6 +71,7 @@ class Iteration:
         last_scaled: whether it was in the iteration the last ``update()`` closed (None: no
             update since the scaler was made or loaded).
         checks: the agreements made in this iteration (the next one's ordinal).
+        last_checks: the agreements made in the iteration the last ``update()`` closed.
         blind: a step of this iteration whose flag the host did not read (a fused one).
         floor: a lower bound of the scale known to the host without reading it (it can only
             back off by ``backoff_factor`` per update the host did not see clean).
@@ -89,6 +90,7 @@ class Iteration:
     scaled: bool = False
     last_scaled: bool | None = None
     checks: int = 0
+    last_checks: int = 0
     blind: bool = False
     floor: float = 1.0
     steps_since_update: int = 0
@@ -167,4 +169,5 @@ class Iteration:
         """Clear this iteration's records (``close`` without the sum)."""
         self.states = defaultdict(fresh_state)
         self.pre_unscaled = {}
-        self.last_scaled, self.scaled, self.checks, self.blind = self.scaled, False, 0, False
+        self.last_scaled, self.scaled, self.blind = self.scaled, False, False
+        self.last_checks, self.checks = self.checks, 0

@@ -14,6 +14,7 @@ from typing import Any, overload
 
 import torch
 from torch.amp.grad_scaler import OptState
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from . import _clip, _sync
 from ._alarm import Alarm
@@ -57,7 +58,7 @@ def _is_optimizer(obj: object) -> bool:
     return hasattr(obj, "param_groups") and callable(getattr(obj, "step", None))
 
 
-class ShardedGradScaler(torch.amp.GradScaler):
+class ShardedGradScaler(torch.amp.GradScaler, Joinable):
     """Dynamic loss scaling for fp16/bf16 training, correct across shards and ranks.
 
     A ``torch.amp.GradScaler`` by type and by protocol (public API, ``state_dict`` keys, the
@@ -186,7 +187,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
         self._report_overflows = report_overflows
         self._names = names
         self._it = Iteration(floor=init)  # the record of this iteration and of the last one
-        self._last_report: OverflowReport | None = None
+        Joinable.__init__(self)  # torch.distributed.algorithms.Join: see join_hook()
+        self._last_report: tuple[bool, OverflowReport] | None = None  # (all_ranks, report)
 
     @classmethod
     def guard(
@@ -371,6 +373,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
                 local = torch.maximum(local, flag)
             groups = _sync.cover(self.process_group, _meshes(optimizer))
             agreed = None
+            if groups and it.checks == 0:
+                Join.notify_join_context(self)  # inside a Join: this rank has not joined
             if groups:
                 step = self._counters[0]  # type: ignore[index]
                 agreed = _sync.agree(local, step, it.checks, it.scaled, groups)
@@ -661,6 +665,43 @@ class ShardedGradScaler(torch.amp.GradScaler):
             raise error
         warnings.warn(str(error), RuntimeWarning, stacklevel=3)
 
+    # ------------------------------------------------------------------ Join
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """For ``torch.distributed.algorithms.Join([model, scaler])`` (uneven inputs): a rank
+        that ran out of data still takes part in every agreement of the others (with no
+        overflow of its own: the same all-reduces, one per optimizer checked in its last
+        iteration) and applies the agreed update, so every rank keeps the same scale. List the
+        model (DDP) before the scaler: the joined ranks shadow the collectives in that order."""
+        return _ScalerJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        groups = _sync.resolve_groups(self.process_group)
+        home = self._scale.device if self._scale is not None else torch.device(self._device)
+        return _sync.comm_device(groups[0], home) if groups else home
+
+    @property
+    def join_process_group(self) -> Any:
+        groups = _sync.resolve_groups(self.process_group)
+        return groups[0] if groups else None
+
+    def _shadow_iteration(self) -> None:
+        """A joined rank's part of one iteration of the others: their agreements, then their
+        update."""
+        groups = _sync.resolve_groups(self.process_group)
+        if self._scale is None:
+            self._lazy_init_scale_growth_tracker(self._device)
+        state = self._state()
+        zero = torch.zeros((), dtype=torch.float32, device=state.scale.device)
+        found, anyone = zero, False
+        for k in range(max(self._it.last_checks, 1)):
+            agreed = _sync.agree(zero, state.counters[0], k, False, groups)
+            found = torch.maximum(found, agreed[_sync.FOUND])
+            anyone = anyone or bool(agreed[_sync.SCALED] > 0)
+        if anyone:
+            collapsed, old = step_(state, found, self._config)
+            self._alarm.note_collapse(collapsed, state.counters[0], old)  # type: ignore[union-attr]
+
     # ------------------------------------------------------------- clipping
     def clip_grad_norm_(
         self,
@@ -849,14 +890,21 @@ class ShardedGradScaler(torch.amp.GradScaler):
         pickling drops the names (call this again after loading)."""
         self._names = name_params(source)
 
-    def overflow_report(self) -> OverflowReport | None:
-        """Where the non-finite gradients of the last stepped iteration were, on every rank.
+    def overflow_report(self, all_ranks: bool = False) -> OverflowReport | None:
+        """Where the non-finite gradients of the last stepped iteration were.
 
-        Collective when the iteration overflowed: every rank of the process group must call it
-        (one scan of the local gradients and one all-gather). Call it after :meth:`step` /
-        :meth:`update` and before ``zero_grad()``. Returns None without scanning when the
-        iteration was clean (one host read to know).
+        Call it after :meth:`step` / :meth:`update` and before ``zero_grad()``. Returns None
+        without scanning when the iteration was clean (one host read to know; the flag is agreed,
+        so every rank gets the same answer).
+
+        Args:
+            all_ranks: False (default): this rank's gradients only; no collective, so any rank
+                may call it alone. True: every rank's, gathered: a collective (one
+                ``all_gather_object`` when the iteration overflowed), which every rank of the
+                process group must call.
         """
+        if not isinstance(all_ranks, bool):
+            raise TypeError(f"all_ranks must be a bool, got {all_ranks!r}.")
         flags, refs = self._it.inf_checks()
         if flags:  # mid-iteration: what was checked so far
             scale: torch.Tensor = self._scale  # type: ignore[assignment]
@@ -868,19 +916,23 @@ class ShardedGradScaler(torch.amp.GradScaler):
             return None
         if not bool(last.found_inf > 0):  # the one host read
             return None
-        if self._last_report is not None and self._last_report.step == last.index:
-            return self._last_report
-        return self._build_report(last)
+        cached = self._last_report
+        if cached is not None and cached[0] == all_ranks and cached[1].step == last.index:
+            return cached[1]
+        return self._build_report(last, all_ranks)
 
-    def _build_report(self, last: LastStep) -> OverflowReport:
-        entries = self._scan(last.live_optimizers())
-        self._last_report = OverflowReport(last.index, float(last.scale), tuple(entries))
-        return self._last_report
+    def _build_report(self, last: LastStep, all_ranks: bool = True) -> OverflowReport:
+        entries = self._scan(last.live_optimizers(), all_ranks)
+        report = OverflowReport(last.index, float(last.scale), tuple(entries))
+        self._last_report = (all_ranks, report)
+        return report
 
-    def _scan(self, optimizers: list[Any]) -> list[Any]:
-        """The non-finite gradients of ``optimizers`` on every rank (collective: a gather)."""
+    def _scan(self, optimizers: list[Any], all_ranks: bool = True) -> list[Any]:
+        """The non-finite gradients of ``optimizers``, on every rank (a gather: collective)
+        or this one's."""
         entries = scan_local(optimizers, self._names, _sync.rank())
-        entries = _sync.gather_objects(entries, _sync.resolve_groups(self.process_group))
+        if all_ranks:
+            entries = _sync.gather_objects(entries, _sync.resolve_groups(self.process_group))
         return sorted(entries, key=lambda e: (e.rank, e.name))
 
     # ------------------------------------------------------- getters/setters
@@ -1048,6 +1100,14 @@ class ShardedGradScaler(torch.amp.GradScaler):
             params = list(iter_params(optimizer))
             self._lazy_init_scale_growth_tracker(params[0].device if params else self._device)
         return self._it.record(optimizer)
+
+
+class _ScalerJoinHook(JoinHook):
+    def __init__(self, scaler: ShardedGradScaler) -> None:
+        self.scaler = scaler
+
+    def main_hook(self) -> None:
+        self.scaler._shadow_iteration()
 
 
 def _meshes(optimizer: Any) -> list[Any]:
