@@ -374,3 +374,34 @@ def test_torch_state_outside_the_bounds_loads_clamped_with_a_warning(value, expe
     with pytest.warns(UserWarning, match="torch.amp.GradScaler state"):
         s.load_state_dict(sd)
     assert s.get_scale() == expected and s.state_dict()["_growth_tracker"] == 3
+
+
+def test_a_guard_asked_for_survives_an_older_checkpoint():
+    """A checkpoint written without a guard (or by torch's scaler) does not switch off the guard
+    the constructor asked for: asked fields are kept (warned when the checkpoint differs), the
+    state comes from the checkpoint; fields left at their defaults take the checkpoint's."""
+    old = ShardedGradScaler("cpu", init_scale=256.0, hysteresis=2)
+    old.scale(torch.ones(()))
+    sd = old.state_dict()  # max_consecutive_skips=None, on_collapse="raise", hysteresis=2
+    s = ShardedGradScaler("cpu", max_consecutive_skips=3, on_collapse="warn", min_scale=1.0)
+    with pytest.warns(
+        UserWarning, match=r"keeps the policy the constructor asked for.*max_consecutive_skips=3"
+    ):
+        s.load_state_dict(sd)
+    cfg = s.config
+    assert (cfg.max_consecutive_skips, cfg.on_collapse, cfg.min_scale) == (3, "warn", 1.0)
+    assert cfg.hysteresis == 2  # not asked for: the checkpoint's
+    assert s.get_scale() == 256.0 and s.state_dict()["_hysteresis_tracker"] == 2
+    # from torch's scaler: its keys only, the guard stays
+    t = torch.amp.GradScaler("cpu", init_scale=0.5)
+    t.scale(torch.ones(()))
+    s = ShardedGradScaler("cpu", max_consecutive_skips=3, min_scale=1.0)
+    with pytest.warns(UserWarning, match="outside"):
+        s.load_state_dict(t.state_dict())  # 0.5 lies below the kept min_scale
+    assert s.config.max_consecutive_skips == 3 and s.get_scale() == 1.0
+    # a malformed checkpoint is refused even in a field kept
+    bad = {**sd, "max_consecutive_skips": 0}
+    before = s.state_dict()
+    with pytest.raises(ValueError, match="max_consecutive_skips"):
+        s.load_state_dict(bad)
+    assert s.state_dict() == before

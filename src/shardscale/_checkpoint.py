@@ -59,7 +59,13 @@ def to_state_dict(config: ScalerConfig, metrics: Mapping[str, float | int]) -> d
     }
 
 
-def parse_state_dict(state_dict: object, current: ScalerConfig) -> LoadedState:
+#: shardscale's own policy fields: a value the constructor asked for wins over a checkpoint's.
+GUARD_KEYS = CONFIG_KEYS[3:]
+
+
+def parse_state_dict(
+    state_dict: object, current: ScalerConfig, keep: frozenset[str] = frozenset()
+) -> LoadedState:
     """Validate ``state_dict`` (ours or torch's) against ``current``'s defaults; mutate nothing.
 
     Keys missing from a torch state dict keep ``current``'s settings; the hysteresis tracker is
@@ -79,19 +85,32 @@ def parse_state_dict(state_dict: object, current: ScalerConfig) -> LoadedState:
     if missing:
         raise ValueError(f"state_dict is missing the keys {missing}; pass a scaler state_dict().")
     fields = {k: state_dict[k] for k in CONFIG_KEYS if k in state_dict}
-    config = dataclasses.replace(current, **fields)  # validates every field
+    dataclasses.replace(current, **fields)  # validates every field, kept ones too
+    config = dataclasses.replace(current, **{k: v for k, v in fields.items() if k not in keep})
+    overridden = [
+        f"{k}={getattr(current, k)!r} (the checkpoint's: {state_dict[k]!r})"
+        for k in keep
+        if k in state_dict and state_dict[k] != getattr(current, k)
+    ]
+    if overridden:
+        warnings.warn(
+            "load_state_dict() keeps the policy the constructor asked for: "
+            + ", ".join(sorted(overridden))
+            + "; the scale, trackers and counters come from the checkpoint.",
+            stacklevel=3,
+        )
     raw_scale = state_dict["scale"]
-    if "max_scale" not in state_dict and "min_scale" not in state_dict:
+    if overridden or ("max_scale" not in state_dict and "min_scale" not in state_dict):
         # torch's GradScaler has no bounds: with a growth factor that is not a power of 2 its
         # scale can pass 2**127, and it can back off below 2**-126. Such a state is valid for
         # torch: load it with the scale clamped into this scaler's bounds, and say so.
         value = _check_real("state_dict['scale']", raw_scale)
         if value >= 0 and not config.min_scale <= value <= config.max_scale:  # 0: backed off to 0
             clamped = min(max(value, config.min_scale), config.max_scale)
+            what = "the bounds kept" if overridden else "a torch.amp.GradScaler state"
             warnings.warn(
-                f"state_dict['scale']={value} (a torch.amp.GradScaler state) lies outside "
-                f"[min_scale, max_scale] = [{config.min_scale}, {config.max_scale}]; loaded "
-                f"as {clamped}.",
+                f"state_dict['scale']={value} ({what}) lies outside [min_scale, max_scale] = "
+                f"[{config.min_scale}, {config.max_scale}]; loaded as {clamped}.",
                 stacklevel=3,
             )
             raw_scale = clamped
@@ -101,6 +120,8 @@ def parse_state_dict(state_dict: object, current: ScalerConfig) -> LoadedState:
     hyst = _nonneg_int(
         "_hysteresis_tracker", state_dict.get("_hysteresis_tracker", config.hysteresis), INT32_MAX
     )
+    if overridden:
+        hyst = min(hyst, config.hysteresis)
     if hyst > config.hysteresis:
         raise ValueError(
             f"state_dict['_hysteresis_tracker']={hyst} exceeds hysteresis="

@@ -18,7 +18,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from . import _clip, _sync
 from ._alarm import Alarm
-from ._checkpoint import parse_state_dict, to_state_dict
+from ._checkpoint import GUARD_KEYS, parse_state_dict, to_state_dict
 from ._config import (
     ScalerConfig,
     check_backoff_factor,
@@ -52,6 +52,7 @@ _ORDER = (
 #: update() calls between two reads of the alarm (a completed device-to-host copy) when steps
 #: ran whose found-inf flag the host never read (fused optimizers).
 POLL_EVERY = 16
+_DEFAULTS = ScalerConfig()
 
 
 def _is_optimizer(obj: object) -> bool:
@@ -187,6 +188,11 @@ class ShardedGradScaler(torch.amp.GradScaler, Joinable):
         self._report_overflows = report_overflows
         self._names = names
         self._it = Iteration(floor=init)  # the record of this iteration and of the last one
+        #: the policy fields the constructor set away from their defaults: they win over a
+        #: checkpoint's in load_state_dict (a guard asked for is never switched off by a resume)
+        self._asked = frozenset(
+            k for k in GUARD_KEYS if getattr(config, k) != getattr(_DEFAULTS, k)
+        )
         Joinable.__init__(self)  # torch.distributed.algorithms.Join: see join_hook()
         self._last_report: tuple[bool, OverflowReport] | None = None  # (all_ranks, report)
 
@@ -1009,6 +1015,12 @@ class ShardedGradScaler(torch.amp.GradScaler, Joinable):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a state from :meth:`state_dict` or from ``torch.amp.GradScaler.state_dict()``.
 
+        The scale, trackers and counters come from the checkpoint; so do torch's policy keys
+        (``growth_factor``, ``backoff_factor``, ``growth_interval``, as torch). shardscale's own
+        policy fields (bounds, hysteresis, ``dynamic``, the collapse guard) come from the
+        checkpoint too, except those the constructor set away from their defaults: those are
+        kept (with a warning when the checkpoint differs), so resuming an older checkpoint never
+        switches off a guard asked for (a scale outside kept bounds is clamped, with a warning).
         Keys missing from a torch state dict keep this scaler's settings (the hysteresis
         tracker is refilled, counters start at 0). Everything is validated before anything
         changes: on error the scaler is left exactly as it was.
@@ -1024,7 +1036,7 @@ class ShardedGradScaler(torch.amp.GradScaler, Joinable):
                 "load_state_dict() was called in the middle of an iteration (after unscale_/step, "
                 "before update()); load the state at an iteration boundary."
             )
-        loaded = parse_state_dict(state_dict, self._config)
+        loaded = parse_state_dict(state_dict, self._config, self._asked)
         fresh = None
         if self._scale is not None:  # the last step that can fail, before anything changes
             fresh = ScaleState.create(
