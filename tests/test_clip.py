@@ -816,3 +816,41 @@ def test_max_norm_inf_never_clips_even_with_flush_denormal(p):
         assert not bool(s.last_step_skipped(opt))
     finally:
         torch.set_flush_denormal(False)  # torch's default, which every other test runs under
+
+
+@pytest.mark.parametrize("foreach", [None, True, False])
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+def test_foreach_takes_torchs_meaning_with_the_same_results(foreach, norm_type):
+    """foreach=False: one kernel per tensor (as torch's); the same norm and gradients."""
+    out = []
+    for fe in (foreach, None):
+        a, _, oa, _, sa, _ = _pair(dtype=torch.float16)
+        _backward(a, sa, _batch(torch.float16))
+        norm = sa.clip_grad_norm_(oa, 0.05, norm_type, foreach=fe)
+        out.append((norm, [p.grad.clone() for p in a.parameters()]))
+    (n1, g1), (n2, g2) = out
+    torch.testing.assert_close(n1, n2, rtol=1e-6, atol=0)
+    for x, y in zip(g1, g2, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-3, atol=1e-7)
+
+
+@pytest.mark.parametrize("scaled", [True, False])
+def test_error_if_nonfinite_raises_as_torch_before_writing(scaled):
+    a, b, oa, ob, sa, sb = _pair()
+    if not scaled:
+        sa = ShardedGradScaler("cpu", enabled=False)
+    x = _batch()
+    _backward(a, sa, x, poison=True)
+    before = [p.grad.clone() for p in a.parameters()]
+    with pytest.raises(RuntimeError, match="non-finite, so it cannot be clipped"):
+        sa.clip_grad_norm_(oa, 1.0, error_if_nonfinite=True)
+    for p, g in zip(a.parameters(), before, strict=True):
+        assert torch.equal(p.grad.nan_to_num(), g.nan_to_num())  # nothing written
+    _backward(b, sb, x, poison=True)  # torch's recipe raises the same
+    sb.unscale_(ob)
+    with pytest.raises(RuntimeError, match="non-finite, so it cannot be clipped"):
+        torch.nn.utils.clip_grad_norm_(b.parameters(), 1.0, error_if_nonfinite=True)
+    if scaled:  # the iteration can still end: the step skips, the scale backs off
+        sa.step(oa)
+        sa.update()
+        assert sa.get_scale() == 512.0

@@ -170,8 +170,24 @@ def _pieces(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
+def _norms(tensors: list[torch.Tensor], p: float, dtype: torch.dtype | None, foreach: bool) -> list:
+    """Per-tensor p-norms: one ``torch._foreach_norm``, or (``foreach=False``, as torch's
+    ``clip_grad_norm_`` takes it) one ``torch.linalg.vector_norm`` per tensor."""
+    if foreach:
+        return (
+            torch._foreach_norm(tensors, p, dtype=dtype)
+            if dtype
+            else torch._foreach_norm(tensors, p)
+        )
+    return [torch.linalg.vector_norm(t, p, dtype=dtype) for t in tensors]
+
+
 def _local_piece(
-    grads: list[torch.Tensor], p: float, inv: torch.Tensor | None, guard: bool = False
+    grads: list[torch.Tensor],
+    p: float,
+    inv: torch.Tensor | None,
+    guard: bool = False,
+    foreach: bool = True,
 ) -> torch.Tensor:
     """sum(|g / scale|^p) over ``grads`` (max(|g / scale|) for p = inf), a 0-d float32 (float64
     for float64 gradients): per-tensor norms of the *scaled* gradients (fp16 ones accumulated in
@@ -179,9 +195,9 @@ def _local_piece(
     before any power."""
     acc = torch.float64 if grads[0].dtype == torch.float64 else torch.float32
     if grads[0].dtype == torch.float16:
-        norms = torch._foreach_norm(_pieces(grads), p, dtype=acc)
+        norms = _norms(_pieces(grads), p, acc, foreach)
     else:
-        norms = torch._foreach_norm(grads, p)
+        norms = _norms(grads, p, None, foreach)
     stacked = torch.stack(norms).to(acc)
     if inv is not None:
         stacked = stacked * inv.to(device=stacked.device, dtype=acc)
@@ -203,6 +219,7 @@ def global_norm(
     group: Any,
     scaled: bool = True,
     guard: bool = False,
+    foreach: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The total norm over shards and ranks (0-d float32 on ``home``), the agreed found-inf
     flag (0-d float32: 1.0 if any gradient anywhere was inf/NaN) and whether any rank ``scaled``
@@ -217,7 +234,7 @@ def global_norm(
     is_inf = math.isinf(p)
     parts = [torch.zeros((), dtype=torch.float32, device=home) for _ in range(2)]
     for (_, _, sharded), grads in buckets.items():
-        piece = to_device(_local_piece(grads, p, inv_scale, guard).float(), home)
+        piece = to_device(_local_piece(grads, p, inv_scale, guard, foreach).float(), home)
         i = 0 if sharded else 1
         parts[i] = torch.maximum(parts[i], piece) if is_inf else parts[i] + piece
     sharded_part, replicated_part = parts
@@ -253,15 +270,20 @@ def clip_coef(total: torch.Tensor, max_norm: float) -> torch.Tensor:
     return (max_norm / (total + _EPS)).clamp(max=1.0)
 
 
-def mul_all(buckets: Buckets, factor: torch.Tensor) -> None:
-    """Multiply every gradient in place by the 0-d ``factor``: one ``_foreach_mul_`` per bucket."""
+def mul_all(buckets: Buckets, factor: torch.Tensor, foreach: bool = True) -> None:
+    """Multiply every gradient in place by the 0-d ``factor``: one ``_foreach_mul_`` per bucket
+    (``foreach=False``: one ``mul_`` per gradient)."""
     per_device: dict[torch.device, torch.Tensor] = {}
     with torch.no_grad():
         for (device, _, _), grads in buckets.items():
             f = per_device.get(device)
             if f is None:
                 f = per_device[device] = to_device(factor, device)
-            torch._foreach_mul_(grads, f)
+            if foreach:
+                torch._foreach_mul_(grads, f)
+            else:
+                for g in grads:
+                    g.mul_(f)
 
 
 def unscale_and_clip(
@@ -271,6 +293,7 @@ def unscale_and_clip(
     coef: torch.Tensor,
     found_inf: torch.Tensor,
     fused: bool,
+    foreach: bool = True,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Unscale and clip: ``(grad_scale for a fused kernel or None, found_inf)``.
 
@@ -289,16 +312,39 @@ def unscale_and_clip(
     overflow = found_inf > 0
     if fused:
         return torch.where(overflow, scale, folded), found_inf
-    mul_all(buckets, torch.where(overflow, inv_scale, coef * inv_scale))
+    mul_all(buckets, torch.where(overflow, inv_scale, coef * inv_scale), foreach)
     return None, found_inf
 
 
-def clip_unscaled(buckets: Buckets, p: float, max_norm: float, group: Any) -> torch.Tensor:
+def clip_unscaled(
+    buckets: Buckets,
+    p: float,
+    max_norm: float,
+    group: Any,
+    error_if_nonfinite: bool = False,
+    foreach: bool = True,
+) -> torch.Tensor:
     """Clip gradients that are not scaled (a disabled scaler), as torch's ``clip_grad_norm_``."""
     home = next(iter(buckets))[0] if buckets else torch.device("cpu")
-    total, _, _ = global_norm(buckets, p, None, home, group)
-    mul_all(buckets, clip_coef(total, max_norm))
+    total, _, _ = global_norm(buckets, p, None, home, group, foreach=foreach)
+    check_finite(total, p, error_if_nonfinite)
+    mul_all(buckets, clip_coef(total, max_norm), foreach)
     return total
+
+
+def check_finite(total: torch.Tensor, p: float, error_if_nonfinite: bool) -> None:
+    """torch's ``error_if_nonfinite``: raise if the total norm is inf/NaN (one host read, only
+    when asked for).
+
+    Raises:
+        RuntimeError: the norm is not finite (before anything is written).
+    """
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RuntimeError(
+            f"The total norm of order {p} for gradients from `parameters` is non-finite, so it "
+            "cannot be clipped. To disable this error and scale the gradients by the non-finite "
+            "norm anyway, set `error_if_nonfinite=False`"
+        )
 
 
 def norm_and_clip(
@@ -311,13 +357,18 @@ def norm_and_clip(
     fused: bool,
     scaled: bool = True,
     guard: bool = False,
+    error_if_nonfinite: bool = False,
+    foreach: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """The whole clip of scaled gradients: ``(total norm, grad_scale for a fused kernel or
     None, agreed found_inf, whether any rank scaled)`` (:func:`global_norm`,
     :func:`clip_coef`, :func:`unscale_and_clip`)."""
     total, found_inf, anyone = global_norm(
-        buckets, p, inv_scale, scale.device, group, scaled, guard
+        buckets, p, inv_scale, scale.device, group, scaled, guard, foreach
     )
+    check_finite(total, p, error_if_nonfinite)
     coef = clip_coef(total, max_norm)
-    grad_scale, found_inf = unscale_and_clip(buckets, scale, inv_scale, coef, found_inf, fused)
+    grad_scale, found_inf = unscale_and_clip(
+        buckets, scale, inv_scale, coef, found_inf, fused, foreach
+    )
     return total, grad_scale, found_inf, anyone

@@ -714,6 +714,8 @@ class ShardedGradScaler(torch.amp.GradScaler, Joinable):
         optimizer_or_params: torch.optim.Optimizer | Iterable[torch.Tensor] | torch.Tensor,
         max_norm: float,
         norm_type: float | str = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
     ) -> torch.Tensor:
         """Unscale, compute the global gradient norm across shards and ranks, and clip.
 
@@ -733,6 +735,10 @@ class ShardedGradScaler(torch.amp.GradScaler, Joinable):
                 issues its own all-reduce: two in the iteration).
             max_norm: the largest allowed total norm (>= 0; inf: no clipping).
             norm_type: ``p`` of the p-norm, any number > 0, or ``inf`` / ``"inf"``.
+            error_if_nonfinite: as torch's: raise if the total norm is inf/NaN (one host read;
+                with a scaler such a norm means an overflow, which is otherwise skipped).
+            foreach: as torch's: None or True use the ``torch._foreach_*`` kernels, False one
+                kernel per tensor.
 
         Returns:
             The total norm of the unscaled gradients over all ranks and shards, a 0-d float32
@@ -741,7 +747,8 @@ class ShardedGradScaler(torch.amp.GradScaler, Joinable):
         Raises:
             TypeError, ValueError: a bad argument or gradient (a Partial DTensor, shared memory),
                 before anything is written.
-            RuntimeError: called before ``scale()``, or out of order in the iteration.
+            RuntimeError: out of order in the iteration, or ``error_if_nonfinite`` and a
+                non-finite norm (nothing written then).
             NotImplementedError: several process groups / a multi-dimensional mesh, or DTensor
                 gradients on a mesh other than the scaler's group.
         """
@@ -753,6 +760,11 @@ class ShardedGradScaler(torch.amp.GradScaler, Joinable):
         )  # type: ignore[arg-type]
         max_norm_f = _clip.check_max_norm(max_norm)
         p = _clip.check_norm_type(norm_type)
+        if not isinstance(error_if_nonfinite, bool):
+            raise TypeError(f"error_if_nonfinite must be a bool, got {error_if_nonfinite!r}.")
+        if foreach is not None and not isinstance(foreach, bool):
+            raise TypeError(f"foreach must be None or a bool, got {foreach!r}.")
+        opts = {"error_if_nonfinite": error_if_nonfinite, "foreach": foreach is not False}
         groups = _sync.resolve_groups(self.process_group)
         if len(groups) > 1:
             raise NotImplementedError(
@@ -766,11 +778,11 @@ class ShardedGradScaler(torch.amp.GradScaler, Joinable):
         except SharedMemoryGradError as e:
             raise e.naming(self._names.current(), params) from None
         if not self._enabled:
-            return _clip.clip_unscaled(buckets, p, max_norm_f, group)
+            return _clip.clip_unscaled(buckets, p, max_norm_f, group, **opts)
         if self._scale is None:  # an idle rank: no loss to scale since the start (or a resume)
             self._lazy_init_scale_growth_tracker(params[0].device if params else self._device)
         if not is_opt:
-            return self._clip_params(buckets, params, p, max_norm_f, group)
+            return self._clip_params(buckets, params, p, max_norm_f, group, opts)
         optimizer: Any = optimizer_or_params
         if any(id(q) in self._it.pre_unscaled for q in params):
             raise RuntimeError(
@@ -798,7 +810,7 @@ class ShardedGradScaler(torch.amp.GradScaler, Joinable):
         )
         try:
             total, state["grad_scale"], found_inf, anyone = self._norm_and_clip(
-                buckets, p, max_norm_f, group, fused
+                buckets, p, max_norm_f, group, fused, opts
             )
         except BaseException:
             self._it.forget_if_untouched(optimizer)
@@ -808,11 +820,19 @@ class ShardedGradScaler(torch.amp.GradScaler, Joinable):
         return total
 
     def _norm_and_clip(
-        self, buckets: _clip.Buckets, p: float, max_norm: float, group: Any, fused: bool
+        self,
+        buckets: _clip.Buckets,
+        p: float,
+        max_norm: float,
+        group: Any,
+        fused: bool,
+        opts: dict[str, bool],
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
         scale: torch.Tensor = self._scale  # type: ignore[assignment]
         inv, scaled, low = self._inv_scale(), self._it.scaled, self._it.floor < 1.0
-        return _clip.norm_and_clip(buckets, scale, inv, p, max_norm, group, fused, scaled, low)
+        return _clip.norm_and_clip(
+            buckets, scale, inv, p, max_norm, group, fused, scaled, low, **opts
+        )
 
     def _clip_params(
         self,
@@ -821,6 +841,7 @@ class ShardedGradScaler(torch.amp.GradScaler, Joinable):
         p: float,
         max_norm: float,
         group: Any,
+        opts: dict[str, bool],
     ) -> torch.Tensor:
         ids = {id(q) for q in params}
         if ids & self._it.pre_unscaled.keys():
@@ -838,7 +859,7 @@ class ShardedGradScaler(torch.amp.GradScaler, Joinable):
                         ".backward() -> scaler.clip_grad_norm_(params, max_norm) -> "
                         "scaler.step(opt)."
                     )
-        total, _, found_inf, _ = self._norm_and_clip(buckets, p, max_norm, group, fused=False)
+        total, _, found_inf, _ = self._norm_and_clip(buckets, p, max_norm, group, False, opts)
         for q in params:
             self._it.pre_unscaled[id(q)] = found_inf
         return total
