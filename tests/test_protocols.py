@@ -76,3 +76,92 @@ def test_a_report_asked_on_one_rank_is_local_and_returns_at_once(tmp_path):
     names, ranks, elapsed = r1["local"]
     assert names == ["w"] and ranks == [1] and elapsed < 5.0
     assert r0["all"] == r1["all"] == (["w"], [1])
+
+
+def _run(scaler, steps: int, poison_at: tuple[int, ...] = (2,)) -> tuple[list, list]:
+    """A few fp32 SGD steps (gradients overflowing at ``poison_at``) from a fixed start: the
+    scales seen after each update and the final weights."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scales = []
+    for i in range(steps):
+        opt.zero_grad()
+        loss = model(torch.randn(3, 4)).pow(2).mean() * (INF if i in poison_at else 1.0)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return scales, [p.detach().clone() for p in model.parameters()]
+
+
+def _same(a: tuple[list, list], b: tuple[list, list]) -> None:
+    assert a[0] == b[0]
+    for p, q in zip(a[1], b[1], strict=True):
+        assert torch.equal(p, q)
+
+
+def _trained(cls) -> torch.amp.GradScaler:
+    scaler = cls("cpu", init_scale=2.0**10, growth_interval=2)
+    _run(scaler, 5)  # scale 1024 -> 2048 -> 1024 (overflow) -> 1024 -> 2048, tracker 0
+    return scaler
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("how", ["partial_load", "through_torch_scaler", "state_dict"])
+def test_a_torch_grad_scaler_checkpoint_resumes_in_shardscale(how, tmp_path):
+    """A run checkpointed with torch.amp.GradScaler goes on with ShardedGradScaler exactly as
+    it would have with torch's: same scale sequence, same weights. A strict ``dcp.load`` stops
+    on the keys torch's checkpoint lacks (``scaler.min_scale``...): load with
+    ``allow_partial_load=True`` or through a torch.amp.GradScaler, as the README says."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    src = _trained(torch.amp.GradScaler)
+    cid = str(tmp_path / "torch")
+    dcp.save({"scaler": src}, checkpoint_id=cid, no_dist=True)
+    new = ShardedGradScaler("cpu")
+    if how == "partial_load":
+        planner = DefaultLoadPlanner(allow_partial_load=True)
+        dcp.load({"scaler": new}, checkpoint_id=cid, no_dist=True, planner=planner)
+    elif how == "through_torch_scaler":
+        holder = torch.amp.GradScaler("cpu")
+        dcp.load({"scaler": holder}, checkpoint_id=cid, no_dist=True)  # strict
+        new.load_state_dict(holder.state_dict())
+    else:
+        new.load_state_dict(src.state_dict())
+    assert new.state_dict()["scale"] == src.state_dict()["scale"] == 2048.0
+    assert new.get_growth_interval() == 2
+    _same(_run(new, 6, poison_at=(1, 4)), _run(src, 6, poison_at=(1, 4)))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_strict_dcp_load_of_a_torch_checkpoint_names_the_missing_key(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    cid = str(tmp_path / "torch")
+    dcp.save({"scaler": _trained(torch.amp.GradScaler)}, checkpoint_id=cid, no_dist=True)
+    new = ShardedGradScaler("cpu")
+    before = new.state_dict()
+    with pytest.raises(BaseException, match="scaler.min_scale"):  # DCP's CheckpointException
+        dcp.load({"scaler": new}, checkpoint_id=cid, no_dist=True)
+    assert new.state_dict() == before
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("how", ["dcp", "state_dict"])
+def test_a_shardscale_checkpoint_resumes_in_torch_grad_scaler(how, tmp_path):
+    """The way back: torch's scaler reads its own keys of shardscale's checkpoint (strict DCP
+    load too) and goes on exactly as shardscale would with torch's defaults."""
+    import torch.distributed.checkpoint as dcp
+
+    src = _trained(ShardedGradScaler)
+    new = torch.amp.GradScaler("cpu")
+    if how == "dcp":
+        cid = str(tmp_path / "shardscale")
+        dcp.save({"scaler": src}, checkpoint_id=cid, no_dist=True)
+        dcp.load({"scaler": new}, checkpoint_id=cid, no_dist=True)
+    else:
+        new.load_state_dict(src.state_dict())
+    assert new.state_dict() == {k: src.state_dict()[k] for k in new.state_dict()}
+    _same(_run(new, 6, poison_at=(1, 4)), _run(src, 6, poison_at=(1, 4)))
