@@ -107,45 +107,97 @@ def _trained(cls) -> torch.amp.GradScaler:
     return scaler
 
 
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-@pytest.mark.parametrize("how", ["partial_load", "through_torch_scaler", "state_dict"])
-def test_a_torch_grad_scaler_checkpoint_resumes_in_shardscale(how, tmp_path):
-    """A run checkpointed with torch.amp.GradScaler goes on with ShardedGradScaler exactly as
-    it would have with torch's: same scale sequence, same weights. A strict ``dcp.load`` stops
-    on the keys torch's checkpoint lacks (``scaler.min_scale``...): load with
-    ``allow_partial_load=True`` or through a torch.amp.GradScaler, as the README says."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import DefaultLoadPlanner
+def _torch_fsdp_scaler(*args, **kwargs):
+    """torch's FSDP scaler with the state :func:`_trained` leaves (it cannot step without a
+    process group): scale 2048, growth tracker 0."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as TorchSharded
 
-    src = _trained(torch.amp.GradScaler)
+    scaler = TorchSharded("cpu", init_scale=2.0**10, growth_interval=2)
+    scaler.load_state_dict(_trained(torch.amp.GradScaler).state_dict())
+    return scaler
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("source", ["amp", "fsdp"])
+@pytest.mark.parametrize("how", ["planner", "through_torch_scaler", "state_dict"])
+def test_a_torch_scaler_checkpoint_resumes_in_shardscale(how, source, tmp_path):
+    """A run checkpointed with torch.amp.GradScaler (or torch's FSDP scaler) goes on with
+    ShardedGradScaler exactly as it would have with torch's: same scale sequence, same weights;
+    shardscale's keys take the constructor's policy, a full hysteresis tracker, counters 0."""
+    import torch.distributed.checkpoint as dcp
+
+    from shardscale.checkpoint import ScalerLoadPlanner
+
+    src = _trained(torch.amp.GradScaler) if source == "amp" else _torch_fsdp_scaler()
     cid = str(tmp_path / "torch")
-    dcp.save({"scaler": src}, checkpoint_id=cid, no_dist=True)
-    new = ShardedGradScaler("cpu")
-    if how == "partial_load":
-        planner = DefaultLoadPlanner(allow_partial_load=True)
-        dcp.load({"scaler": new}, checkpoint_id=cid, no_dist=True, planner=planner)
+    model = torch.nn.Linear(2, 2)
+    dcp.save({"model": model.state_dict(), "scaler": src}, checkpoint_id=cid, no_dist=True)
+    new = ShardedGradScaler("cpu", hysteresis=2, max_consecutive_skips=7)
+    target = {"model": torch.nn.Linear(2, 2).state_dict(), "scaler": new}
+    if how == "planner":
+        dcp.load(target, checkpoint_id=cid, no_dist=True, planner=ScalerLoadPlanner())
+        assert torch.equal(target["model"]["weight"], model.weight)
     elif how == "through_torch_scaler":
         holder = torch.amp.GradScaler("cpu")
         dcp.load({"scaler": holder}, checkpoint_id=cid, no_dist=True)  # strict
         new.load_state_dict(holder.state_dict())
     else:
         new.load_state_dict(src.state_dict())
-    assert new.state_dict()["scale"] == src.state_dict()["scale"] == 2048.0
-    assert new.get_growth_interval() == 2
-    _same(_run(new, 6, poison_at=(1, 4)), _run(src, 6, poison_at=(1, 4)))
+    sd = new.state_dict()
+    assert sd["scale"] == src.state_dict()["scale"] == 2048.0
+    assert (sd["growth_interval"], sd["hysteresis"], sd["max_consecutive_skips"]) == (2, 2, 7)
+    assert sd["_hysteresis_tracker"] == 2 and sd["_counters"]["steps"] == 0
+    plain = ShardedGradScaler("cpu", hysteresis=2, max_consecutive_skips=7)
+    plain.load_state_dict(src.state_dict())
+    assert sd == plain.state_dict()
+    # the same state with torch's policy (hysteresis 1) goes on exactly as torch's scaler
+    new_h1 = ShardedGradScaler("cpu")
+    new_h1.load_state_dict(sd | {"hysteresis": 1, "_hysteresis_tracker": 1})
+    torch_scaler = torch.amp.GradScaler("cpu")
+    torch_scaler.load_state_dict(src.state_dict())
+    _same(_run(new_h1, 6, poison_at=(1, 4)), _run(torch_scaler, 6, poison_at=(1, 4)))
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_a_strict_dcp_load_of_a_torch_checkpoint_names_the_missing_key(tmp_path):
+def test_the_planner_is_strict_for_every_other_key(tmp_path):
+    """A strict load stops at shardscale's first key (DCP's message names it); with the planner
+    a key missing elsewhere (here the model's bias) still raises; nothing changes either way."""
     import torch.distributed.checkpoint as dcp
 
+    from shardscale.checkpoint import ScalerLoadPlanner
+
     cid = str(tmp_path / "torch")
-    dcp.save({"scaler": _trained(torch.amp.GradScaler)}, checkpoint_id=cid, no_dist=True)
+    model = torch.nn.Linear(2, 2)
+    weight_only = {"weight": model.weight.detach()}
+    dcp.save(
+        {"model": weight_only, "scaler": _trained(torch.amp.GradScaler)},
+        checkpoint_id=cid,
+        no_dist=True,
+    )
     new = ShardedGradScaler("cpu")
     before = new.state_dict()
     with pytest.raises(BaseException, match="scaler.min_scale"):  # DCP's CheckpointException
         dcp.load({"scaler": new}, checkpoint_id=cid, no_dist=True)
+    target = {"model": torch.nn.Linear(2, 2).state_dict(), "scaler": new}
+    with pytest.raises(BaseException, match="model.bias"):
+        dcp.load(target, checkpoint_id=cid, no_dist=True, planner=ScalerLoadPlanner())
     assert new.state_dict() == before
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_the_planner_loads_a_shardscale_checkpoint_in_full(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from shardscale.checkpoint import ScalerLoadPlanner
+
+    src = ShardedGradScaler("cpu", init_scale=2.0**10, growth_interval=2, hysteresis=3)
+    _run(src, 5)
+    cid = str(tmp_path / "shardscale")
+    dcp.save({"scaler": src}, checkpoint_id=cid, no_dist=True)
+    new = ShardedGradScaler("cpu")
+    dcp.load({"scaler": new}, checkpoint_id=cid, no_dist=True, planner=ScalerLoadPlanner())
+    assert new.state_dict() == src.state_dict()
+    assert new.state_dict()["_counters"]["steps"] == 5
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

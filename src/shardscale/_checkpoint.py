@@ -61,6 +61,8 @@ def to_state_dict(config: ScalerConfig, metrics: Mapping[str, float | int]) -> d
 
 #: shardscale's own policy fields: a value the constructor asked for wins over a checkpoint's.
 GUARD_KEYS = CONFIG_KEYS[3:]
+#: The top-level keys shardscale's state dict has beyond torch's (``_counters`` is a dict).
+EXTRA_KEYS = (*GUARD_KEYS, "_hysteresis_tracker", "_counters")
 
 
 def parse_state_dict(
