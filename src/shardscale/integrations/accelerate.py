@@ -1,0 +1,224 @@
+"""Hugging Face accelerate: make a :class:`~shardscale.ShardedGradScaler` the grad scaler of an
+``accelerate.Accelerator``.
+
+``use_shardscale(accelerator)`` before or after ``accelerator.prepare(...)``; the training loop
+stays accelerate's (``accelerator.backward``, ``optimizer.step()``, ``scheduler.step()``,
+``accelerator.clip_grad_norm_``, ``save_state``/``load_state``). accelerate itself is imported
+only when :func:`use_shardscale` is called (``pip install shardscale[accelerate]``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from types import MethodType
+from typing import Any
+
+import torch
+
+from .. import ShardedGradScaler
+
+__all__ = ["use_shardscale"]
+
+#: accelerate's set-ups with a loss scaling of their own (or none to replace).
+_REFUSED = ("DEEPSPEED", "MEGATRON_LM", "XLA")
+
+_SKIP_AWARE: dict[type, type] = {}  # AcceleratedOptimizer (sub)class -> its skip-aware subclass
+
+
+def use_shardscale(accelerator: Any, **scaler_kwargs: Any) -> ShardedGradScaler:
+    """Install a :class:`~shardscale.ShardedGradScaler` as ``accelerator``'s grad scaler.
+
+    Call it before or after ``accelerator.prepare(...)``, before the first step; call it before
+    ``accelerator.load_state()`` so that the checkpoint's scaler state lands in this scaler. It
+    sets ``accelerator.scaler`` and the scaler of every optimizer prepared (now or later), so
+    ``accelerator.backward`` scales the loss, ``optimizer.step()`` unscales, agrees the inf/NaN
+    flag across ranks (one all-reduce) and steps or skips on every rank together, and
+    ``save_state``/``load_state`` checkpoint the scaler (``scaler.pt``).
+
+    * ``mixed_precision="fp16"``: a dynamic scaler. Defaults: ``device=accelerator.device.type``,
+      then ``GradScalerKwargs`` given to the accelerator, then ``scaler_kwargs``. The scale and
+      growth tracker of the scaler accelerate made (if any: it may have loaded a checkpoint)
+      carry over unless ``init_scale`` is given.
+    * ``"bf16"`` or ``"no"``: :meth:`ShardedGradScaler.guard` (scale fixed at 1.0; a step with
+      an inf/NaN gradient on any rank is skipped on every rank).
+    * fp16 on the CPU, which accelerate turns off silently (no autocast, no scaler): fp16
+      autocast is turned on (``accelerator.native_amp``; models prepared already get accelerate's
+      autocast wrapper; FSDP2 models use the plugin's ``MixedPrecisionPolicy``) and a
+      ``UserWarning`` says so. fp16 on the CPU is slow: for testing.
+
+    ``optimizer.step_was_skipped`` (and ``accelerator.optimizer_step_was_skipped``, which a
+    prepared ``AcceleratedScheduler`` reads to stay still) then reports
+    :meth:`ShardedGradScaler.last_step_skipped`: right for fused optimizers too, whose ``step``
+    accelerate sees called even when the kernel skipped the update (accelerate issue #4242).
+    Reading it waits for a fused step on an accelerator device (one host read).
+
+    Args:
+        accelerator: an ``accelerate.Accelerator``.
+        **scaler_kwargs: :class:`~shardscale.ShardedGradScaler` arguments (``init_scale``,
+            ``growth_interval``, ``max_consecutive_skips``, ``process_group``, ...).
+
+    Returns:
+        The installed scaler (``accelerator.scaler``): log ``scaler.metrics()`` with
+        ``accelerator.log``.
+
+    Raises:
+        ValueError: DeepSpeed, Megatron-LM, XLA or fp8, which scale (or not) on their own.
+        TypeError, ValueError: a bad scaler argument (from :class:`ShardedGradScaler`).
+    """
+    from accelerate.utils import DistributedType
+
+    refused = [getattr(DistributedType, name) for name in _REFUSED]
+    precision = accelerator.mixed_precision
+    if accelerator.distributed_type in refused or precision == "fp8":
+        raise ValueError(
+            f"use_shardscale() does not support distributed_type="
+            f"{accelerator.distributed_type.value!r} with mixed_precision={precision!r}: that "
+            "set-up does its own loss scaling (or needs none from a GradScaler)."
+        )
+    kwargs: dict[str, Any] = {"device": accelerator.device.type}
+    old = accelerator.scaler
+    if precision == "fp16":
+        if accelerator.scaler_handler is not None:
+            kwargs.update(accelerator.scaler_handler.to_kwargs())
+        kwargs.update(scaler_kwargs)
+        scaler = ShardedGradScaler(**kwargs)
+        if _is_live_grad_scaler(old) and "init_scale" not in scaler_kwargs:
+            _carry_over(old, scaler)
+        if not accelerator.native_amp:  # the CPU: accelerate turned fp16 off
+            _enable_cpu_fp16(accelerator)
+    else:
+        kwargs.update(scaler_kwargs)
+        scaler = ShardedGradScaler.guard(**kwargs)
+    accelerator.scaler = scaler
+    for optimizer in accelerator._optimizers:
+        _adopt(optimizer, scaler)
+    _hook_prepare_optimizer(accelerator)
+    return scaler
+
+
+def _is_live_grad_scaler(scaler: object) -> bool:
+    return isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled()
+
+
+def _carry_over(old: Any, new: ShardedGradScaler) -> None:
+    """Give ``new`` the scale and growth tracker of ``old`` (a torch GradScaler or ours), with
+    ``new``'s own policy."""
+    state = old.state_dict()
+    new.load_state_dict(
+        {
+            "scale": state["scale"],
+            "_growth_tracker": state["_growth_tracker"],
+            "growth_factor": new.get_growth_factor(),
+            "backoff_factor": new.get_backoff_factor(),
+            "growth_interval": new.get_growth_interval(),
+        }
+    )
+
+
+def _enable_cpu_fp16(accelerator: Any) -> None:
+    """Turn on what accelerate turns off for fp16 on the CPU: the autocast of prepared models
+    (as ``Accelerator.prepare_model`` does it) and of ``accelerator.autocast()``."""
+    warnings.warn(
+        "mixed_precision='fp16' on the CPU: accelerate turns fp16 off there (no autocast, no "
+        "grad scaler); use_shardscale() turns on fp16 autocast on the CPU and loss scaling. fp16 "
+        "on the CPU is slow: use it for testing (bf16 for CPU training).",
+        UserWarning,
+        stacklevel=3,
+    )
+    accelerator.native_amp = True  # prepare_model() wraps models prepared from now on
+    if not accelerator.is_fsdp2:  # FSDP2 casts by its MixedPrecisionPolicy, not by autocast
+        for model in accelerator._models:
+            _autocast_forward(accelerator, model)
+
+
+def _autocast_forward(accelerator: Any, model: Any) -> None:
+    """Wrap ``model``'s forward in fp16 autocast and fp32 outputs, as ``prepare_model`` does
+    (``accelerator.unwrap_model(model, keep_fp32_wrapper=False)`` removes it)."""
+    from accelerate.utils import (
+        convert_outputs_to_fp32,
+        extract_model_from_parallel,
+        get_mixed_precision_context_manager,
+    )
+
+    module = extract_model_from_parallel(model, keep_torch_compile=False)
+    if "_original_forward" in module.__dict__:  # wrapped already
+        return
+    autocast = get_mixed_precision_context_manager(True, accelerator.autocast_handler)
+    module._original_forward = module.forward
+    if hasattr(module.forward, "__func__"):
+        module.forward = MethodType(autocast(module.forward.__func__), module)
+        module.forward = MethodType(convert_outputs_to_fp32(module.forward.__func__), module)
+    else:
+        module.forward = convert_outputs_to_fp32(autocast(module.forward))
+
+
+def _adopt(optimizer: Any, scaler: ShardedGradScaler) -> None:
+    """Make a prepared ``AcceleratedOptimizer`` step through ``scaler`` and report its skips."""
+    from accelerate.optimizer import AcceleratedOptimizer, patch_optimizer_step
+
+    if not isinstance(optimizer, AcceleratedOptimizer):
+        return
+    optimizer.scaler = scaler
+    # what AcceleratedOptimizer.__init__ sets up when it is given a scaler
+    optimizer._accelerate_step_called = False
+    optimizer._optimizer_original_step_method = optimizer.optimizer.step
+    optimizer._optimizer_patched_step_method = patch_optimizer_step(
+        optimizer, optimizer.optimizer.step
+    )
+    if type(optimizer) not in _SKIP_AWARE.values():
+        optimizer.__class__ = _skip_aware(type(optimizer))
+
+
+def _hook_prepare_optimizer(accelerator: Any) -> None:
+    """Adopt optimizers prepared after :func:`use_shardscale` too (once per accelerator)."""
+    if "prepare_optimizer" in accelerator.__dict__:
+        return
+    prepare_optimizer = accelerator.prepare_optimizer
+
+    def prepare_and_adopt(optimizer: Any, device_placement: bool | None = None) -> Any:
+        prepared = prepare_optimizer(optimizer, device_placement=device_placement)
+        if isinstance(accelerator.scaler, ShardedGradScaler):
+            _adopt(prepared, accelerator.scaler)
+        return prepared
+
+    prepare_and_adopt.__doc__ = prepare_optimizer.__doc__
+    accelerator.prepare_optimizer = prepare_and_adopt
+
+
+def _step_was_skipped(self: Any) -> bool:
+    """Whether the last optimizer step was skipped (an inf/NaN gradient on any rank). With a
+    ShardedGradScaler: its :meth:`~shardscale.ShardedGradScaler.last_step_skipped`, which
+    knows fused optimizers' skips too; otherwise accelerate's answer."""
+    scaler = self.scaler
+    if not isinstance(scaler, ShardedGradScaler):
+        return self._is_overflow
+    try:
+        return bool(scaler.last_step_skipped(self.optimizer))
+    except RuntimeError:  # not stepped yet
+        return False
+
+
+def _skip_aware(cls: type) -> type:
+    """The subclass of ``cls`` (an ``AcceleratedOptimizer``) whose ``step_was_skipped`` asks
+    the scaler; made once per class."""
+    new = _SKIP_AWARE.get(cls)
+    if new is None:
+        name = f"Shardscale{cls.__name__}"
+        namespace = {
+            "__module__": __name__,
+            "__qualname__": name,
+            "__doc__": f"{cls.__name__} whose ``step_was_skipped`` asks its ShardedGradScaler.",
+            "step_was_skipped": property(_step_was_skipped),
+        }
+        new = _SKIP_AWARE[cls] = type(name, (cls,), namespace)
+    return new
+
+
+def __getattr__(name: str) -> type:
+    """``ShardscaleAcceleratedOptimizer`` on demand (pickle finds an adopted optimizer's class
+    by this name); accelerate is imported only then."""
+    if name == "ShardscaleAcceleratedOptimizer":
+        from accelerate.optimizer import AcceleratedOptimizer
+
+        return _skip_aware(AcceleratedOptimizer)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
