@@ -479,7 +479,6 @@ if HAVE_CLIP:
         ("norm_type_0", "scaled", (1.0, 0.0), ValueError, "norm_type"),
         ("norm_type_negative", "scaled", (1.0, -2.0), ValueError, "norm_type"),
         ("norm_type_str", "scaled", (1.0, "two"), ValueError, "norm_type"),
-        ("after_unscale_", "unscaled", (1.0,), RuntimeError, "after unscale_"),
         ("after_step", "stepped", (1.0,), RuntimeError, "after step"),
     ]:
         case(

@@ -219,16 +219,8 @@ def test_call_order_and_argument_errors():
     )  # untouched
     assert not sa._per_optimizer_states.get(id(oa), {}).get("found_inf_per_device")
     sa.clip_grad_norm_(oa, 1.0, "inf")
-    with pytest.raises(RuntimeError, match="after unscale_"):
-        sa.clip_grad_norm_(oa, 1.0)
     sa.step(oa)
     with pytest.raises(RuntimeError, match="after step"):
-        sa.clip_grad_norm_(oa, 1.0)
-    sa.update()
-    # unscale_ then clip_grad_norm_ is refused too (it would unscale twice)
-    _backward(a, sa, _batch())
-    sa.unscale_(oa)
-    with pytest.raises(RuntimeError, match="after unscale_"):
         sa.clip_grad_norm_(oa, 1.0)
 
 
@@ -441,17 +433,17 @@ def test_clip_parameter_list_order_errors():
     _backward(a, sa, x)
     params = list(a.parameters())
     sa.clip_grad_norm_(params[:2], 1.0)
-    with pytest.raises(RuntimeError, match="already called on some of these parameters"):
+    with pytest.raises(RuntimeError, match="mixes parameters"):
         sa.clip_grad_norm_(params[1:3], 1.0)
     with pytest.raises(RuntimeError, match="iteration boundary"):
         sa.load_state_dict(sa.state_dict())
+    g = [p.grad.clone() for p in params[:2]]
+    sa.clip_grad_norm_(params[:2], 1e9)  # clipped already: as they are (no second unscale)
+    assert all(torch.equal(p.grad, q) for p, q in zip(params[:2], g, strict=True))
     sa.step(oa)
-    sa.update()
-    oa.zero_grad()
-    _backward(a, sa, x)
-    sa.unscale_(oa)
-    with pytest.raises(RuntimeError, match="after unscale_"):
+    with pytest.raises(RuntimeError, match="after step"):
         sa.clip_grad_norm_(params, 1.0)
+    sa.update()
 
 
 def _params_clip_ranks(rank: int, world_size: int) -> dict:
@@ -854,3 +846,49 @@ def test_error_if_nonfinite_raises_as_torch_before_writing(scaled):
         sa.step(oa)
         sa.update()
         assert sa.get_scale() == 512.0
+
+
+@pytest.mark.parametrize("form", ["optimizer", "params"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_clip_after_unscale_is_torchs_recipe(form, fused):
+    """scaler.unscale_(opt) then scaler.clip_grad_norm_(...) clips the unscaled gradients as
+    torch.nn.utils.clip_grad_norm_ does after torch's unscale_ (the same kernels: bit for bit);
+    a second clip clips them as they are again, as torch's would."""
+    a, b, oa, ob, sa, sb = _pair(opt="adamw", fused=fused)
+    x = _batch()
+    for _ in range(2):
+        _backward(a, sa, x)
+        _backward(b, sb, x)
+        sa.unscale_(oa)
+        sb.unscale_(ob)
+        target = oa if form == "optimizer" else list(a.parameters())
+        for max_norm in (0.5, 0.1):
+            na = sa.clip_grad_norm_(target, max_norm)
+            nb = torch.nn.utils.clip_grad_norm_(b.parameters(), max_norm)
+            torch.testing.assert_close(na, nb, rtol=1e-6, atol=0)
+        for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+            torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-6, atol=1e-9)
+        sa.step(oa)
+        sb.step(ob)
+        sa.update()
+        sb.update()
+        oa.zero_grad()
+        ob.zero_grad()
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(pa, pb, rtol=1e-6, atol=1e-7)
+
+
+def test_clip_params_mixing_unscaled_and_scaled_gradients_is_refused():
+    a, _, oa, _, sa, _ = _pair()
+    other = torch.nn.Linear(8, 4)
+    oo = torch.optim.SGD(other.parameters(), lr=0.1)
+    x = _batch()
+    sa.scale(a(x).pow(2).mean() + other(x).pow(2).mean()).backward()
+    sa.unscale_(oa)
+    grads = [p.grad.clone() for p in other.parameters()]
+    with pytest.raises(RuntimeError, match="mixes parameters"):
+        sa.clip_grad_norm_([*a.parameters(), *other.parameters()], 1.0)
+    assert all(torch.equal(p.grad, g) for p, g in zip(other.parameters(), grads, strict=True))
+    sa.step(oa)
+    sa.step(oo)
+    sa.update()

@@ -728,6 +728,12 @@ class ShardedGradScaler(torch.amp.GradScaler, Joinable):
         Afterwards the optimizer is UNSCALED with its agreed flag, so :meth:`step` skips (on
         every rank) or steps. See :mod:`shardscale._clip`.
 
+        After ``scaler.unscale_(optimizer)`` (torch's recipe: unscale, then clip) or a first
+        clip in the same iteration, it clips the gradients as they are, as
+        ``torch.nn.utils.clip_grad_norm_`` would on the unsharded model: one more all-reduce, of
+        the norm only. A disabled scaler (``enabled=False``) does the same: the global norm of
+        unscaled gradients over shards and ranks.
+
         Args:
             optimizer_or_params: the optimizer whose gradients to clip, or a tensor / iterable
                 of parameters (those are unscaled and clipped in place and remembered, so their
@@ -747,8 +753,9 @@ class ShardedGradScaler(torch.amp.GradScaler, Joinable):
         Raises:
             TypeError, ValueError: a bad argument or gradient (a Partial DTensor, shared memory),
                 before anything is written.
-            RuntimeError: out of order in the iteration, or ``error_if_nonfinite`` and a
-                non-finite norm (nothing written then).
+            RuntimeError: after :meth:`step` in the iteration, parameters mixing unscaled and
+                scaled gradients, or ``error_if_nonfinite`` and a non-finite norm (nothing
+                written then).
             NotImplementedError: several process groups / a multi-dimensional mesh, or DTensor
                 gradients on a mesh other than the scaler's group.
         """
@@ -791,18 +798,14 @@ class ShardedGradScaler(torch.amp.GradScaler, Joinable):
                 "once per parameter per iteration."
             )
         state = self._opt_state("clip_grad_norm_", optimizer)
+        if state["stage"] is OptState.UNSCALED:  # after unscale_(): clip them as they are
+            return _clip.clip_unscaled(buckets, p, max_norm_f, group, **opts)
         if state["stage"] is not OptState.READY:
             self._it.forget_if_untouched(optimizer)
-            done = (
-                "unscale_() or clip_grad_norm_()"
-                if state["stage"] is OptState.UNSCALED
-                else "step()"
-            )
             raise RuntimeError(
-                f"clip_grad_norm_() was called after {done} on this optimizer in this iteration; "
-                "clip_grad_norm_() unscales by itself, so call it instead of unscale_(): "
-                "scaler.scale(loss).backward() -> scaler.clip_grad_norm_(opt, max_norm) -> "
-                "scaler.step(opt) -> scaler.update()."
+                "clip_grad_norm_() was called after step() on this optimizer in this iteration; "
+                "clip before step(): scaler.scale(loss).backward() -> "
+                "scaler.clip_grad_norm_(opt, max_norm) -> scaler.step(opt) -> scaler.update()."
             )
         # a scale below 1 is not folded (the kernel's division could overflow unseen)
         fused = (
@@ -844,21 +847,26 @@ class ShardedGradScaler(torch.amp.GradScaler, Joinable):
         opts: dict[str, bool],
     ) -> torch.Tensor:
         ids = {id(q) for q in params}
-        if ids & self._it.pre_unscaled.keys():
-            raise RuntimeError(
-                "clip_grad_norm_() was already called on some of these parameters in this "
-                "iteration (their gradients are unscaled); clip each parameter once per iteration."
-            )
+        stages: dict[int, OptState] = {}  # parameter -> its optimizer's stage, if not READY
+        stages.update((i, OptState.UNSCALED) for i in ids & self._it.pre_unscaled.keys())
         for state in self._per_optimizer_states.values():
             opt = state["optimizer"]() if "optimizer" in state else None
             if state["stage"] is not OptState.READY and opt is not None:
-                if any(id(q) in ids for q in iter_params(opt)):
-                    raise RuntimeError(
-                        "clip_grad_norm_(params) was called after unscale_()/step() of an "
-                        "optimizer that owns these parameters; clip before: scaler.scale(loss)"
-                        ".backward() -> scaler.clip_grad_norm_(params, max_norm) -> "
-                        "scaler.step(opt)."
-                    )
+                stages.update((id(q), state["stage"]) for q in iter_params(opt) if id(q) in ids)
+        if OptState.STEPPED in stages.values():
+            raise RuntimeError(
+                "clip_grad_norm_(params) was called after step() of an optimizer that owns these "
+                "parameters; clip before: scaler.scale(loss).backward() -> "
+                "scaler.clip_grad_norm_(params, max_norm) -> scaler.step(opt)."
+            )
+        if stages and len(stages) == len(ids):  # unscaled already: clip them as they are
+            return _clip.clip_unscaled(buckets, p, max_norm, group, **opts)
+        if stages:
+            raise RuntimeError(
+                "clip_grad_norm_(params) mixes parameters whose gradients are unscaled already "
+                "(by unscale_() or an earlier clip) with others still scaled; clip each set on "
+                "its own."
+            )
         total, _, found_inf, _ = self._norm_and_clip(buckets, p, max_norm, group, False, opts)
         for q in params:
             self._it.pre_unscaled[id(q)] = found_inf
