@@ -48,6 +48,14 @@ def _found(scaler: ShardedGradScaler, optimizer) -> float:
     return float(sum(scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values()))
 
 
+def _step_both(sa, sb, oa, ob):
+    """Step, update and zero both sides of a :func:`_pair`."""
+    for scaler, opt in ((sa, oa), (sb, ob)):
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+
 def _backward(model, scaler, x, poison=False):
     loss = model(x).float().pow(2).mean()
     scaler.scale(loss).backward()
@@ -74,12 +82,7 @@ def test_matches_torch_recipe_fp32(norm_type, max_norm):
             else:
                 torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-6, atol=1e-9)
         assert sa._per_optimizer_states[id(oa)]["stage"] is OptState.UNSCALED
-        sa.step(oa)
-        sb.step(ob)
-        sa.update()
-        sb.update()
-        oa.zero_grad()
-        ob.zero_grad()
+        _step_both(sa, sb, oa, ob)
     for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
         torch.testing.assert_close(pa, pb, rtol=1e-6, atol=1e-7)
     assert sa.get_scale() == sb.get_scale() == 1024.0
@@ -868,12 +871,7 @@ def test_clip_after_unscale_is_torchs_recipe(form, fused):
             torch.testing.assert_close(na, nb, rtol=1e-6, atol=0)
         for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
             torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-6, atol=1e-9)
-        sa.step(oa)
-        sb.step(ob)
-        sa.update()
-        sb.update()
-        oa.zero_grad()
-        ob.zero_grad()
+        _step_both(sa, sb, oa, ob)
     for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
         torch.testing.assert_close(pa, pb, rtol=1e-6, atol=1e-7)
 

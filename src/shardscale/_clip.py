@@ -324,7 +324,8 @@ def clip_unscaled(
     error_if_nonfinite: bool = False,
     foreach: bool = True,
 ) -> torch.Tensor:
-    """Clip gradients that are not scaled (a disabled scaler), as torch's ``clip_grad_norm_``."""
+    """Clip gradients that are not scaled (a disabled scaler, or after ``unscale_``), as torch's
+    ``clip_grad_norm_``."""
     home = next(iter(buckets))[0] if buckets else torch.device("cpu")
     total, _, _ = global_norm(buckets, p, None, home, group, foreach=foreach)
     check_finite(total, p, error_if_nonfinite)
