@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from _dist import run_ranks
@@ -45,6 +47,93 @@ def test_join_with_uneven_inputs_trains_to_the_end_and_agrees(tmp_path, fused):
     assert r1["scales"] == r0["scales"][:3]
     assert r0["final"] == r1["final"] == 2.0**9  # rank 1 followed after joining
     assert r0["metrics"]["skipped_steps"] == r1["metrics"]["skipped_steps"] == 1
+
+
+def _uneven_calls(rank: int, world_size: int, mode: str, fused: bool) -> dict:
+    """As :func:`_uneven`, with the scaler calls of ``mode`` in every iteration: the rank that
+    joined repeats them (the clip's norm all-reduce, the report gathers) without gradients."""
+    from torch.distributed.algorithms.join import Join
+    from torch.nn.parallel import DistributedDataParallel
+
+    from shardscale import ScaleCollapseError
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Linear(4, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+    kwargs = {"report_overflows": True, "param_names": model} if mode == "report" else {}
+    if mode == "collapse":
+        kwargs = {"max_consecutive_skips": 2}
+    scaler = ShardedGradScaler("cpu", init_scale=2.0**8, growth_interval=2, **kwargs)
+    batches = (24 if mode == "collapse" else 6) if rank == 0 else 3
+    poisoned = range(3, 24) if mode == "collapse" else (4,)
+    out: dict = {"scales": [], "norms": [], "reports": []}
+    joinables = [scaler, model] if mode == "scaler_first" else [model, scaler]
+    try:
+        with Join(joinables):
+            for i in range(batches):
+                opt.zero_grad()
+                x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * rank + i))
+                inf = rank == 0 and i in poisoned
+                loss = model(x).pow(2).mean() * (INF if inf else 1.0)
+                scaler.scale(loss).backward()
+                if mode in ("clip", "unscale_clip", "clip_params"):
+                    if mode == "unscale_clip":
+                        scaler.unscale_(opt)
+                    target = model.parameters() if mode == "clip_params" else opt
+                    out["norms"].append(scaler.clip_grad_norm_(target, 0.1).item())
+                scaler.step(opt)
+                scaler.update()
+                if mode == "report":
+                    report = scaler.overflow_report(all_ranks=True)
+                    out["reports"].append(report and (report.names, report.ranks))
+                out["scales"].append(scaler.get_scale())
+    except (ScaleCollapseError, RuntimeError) as err:
+        out["error"] = (type(err).__name__, getattr(err, "step", None), str(err)[:200])
+    out["final"] = scaler.get_scale()
+    out["metrics"] = scaler.metrics()
+    out["weight"] = model.module.weight.detach().clone()
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("mode", ["clip", "unscale_clip", "clip_params", "report"])
+def test_join_repeats_clips_and_reports_of_the_others(tmp_path, mode, fused):
+    r0, r1 = run_ranks(_uneven_calls, tmp_path, mode, fused, timeout=20)
+    assert "error" not in r0 and "error" not in r1, (r0.get("error"), r1.get("error"))
+    assert r0["scales"] == [2.0**8, 2.0**9, 2.0**9, 2.0**10, 2.0**9, 2.0**9]
+    assert r0["final"] == r1["final"] == 2.0**9
+    assert r0["metrics"] == r1["metrics"]
+    assert r0["metrics"]["skipped_steps"] == 1
+    assert torch.equal(r0["weight"], r1["weight"])  # DDP's join hook syncs the model
+    if mode != "report":
+        norms = r0["norms"]
+        assert len(norms) == 6 and not math.isfinite(norms[4])
+        assert all(math.isfinite(n) and n > 0 for k, n in enumerate(norms) if k != 4)
+    else:
+        weight = "module.weight"
+        assert r0["reports"][4] is not None and weight in r0["reports"][4][0]
+        assert r0["reports"][4][1] == [0]
+        assert [r for k, r in enumerate(r0["reports"]) if k != 4] == [None] * 5
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("fused", [False, True])
+def test_join_a_collapse_raises_on_the_joined_rank_too(tmp_path, fused):
+    """Rank 0 overflows at every batch from its 4th on, after rank 1 joined: both ranks raise
+    ScaleCollapseError from the same update (the fused one after 16 updates: the poll)."""
+    r0, r1 = run_ranks(_uneven_calls, tmp_path, "collapse", fused, timeout=20)
+    assert r0["error"][0] == r1["error"][0] == "ScaleCollapseError"
+    assert r0["error"][1] == r1["error"][1]
+    assert r0["metrics"] == r1["metrics"]
+
+
+@pytest.mark.dist
+def test_join_with_the_scaler_first_raises_on_every_rank(tmp_path):
+    r0, r1 = run_ranks(_uneven_calls, tmp_path, "scaler_first", False, timeout=20)
+    for r in (r0, r1):
+        assert r["error"][0] == "RuntimeError" and "list the model before it" in r["error"][2]
+        assert r["scales"] == []
 
 
 def _one_rank_reports(rank: int, world_size: int) -> dict:

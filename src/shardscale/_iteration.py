@@ -76,6 +76,11 @@ class Iteration:
         floor: a lower bound of the scale known to the host without reading it (it can only
             back off by ``backoff_factor`` per update the host did not see clean).
         steps_since_update: steps since the last eager ``update()`` (a compiled loop's count).
+        calls: the scaler calls of the last iteration, in order, with their arguments
+            (``(name, args)``: from the first unscale/clip/step after an ``update()`` to the
+            calls after the next one): what a rank that joined (``Join``) repeats.
+        calls_closed: ``update()`` (or ``abandon()``) is in ``calls``: the next unscale/clip/
+            step starts a new list.
     """
 
     states: dict[int, dict[str, Any]] = dataclasses.field(
@@ -94,6 +99,17 @@ class Iteration:
     blind: bool = False
     floor: float = 1.0
     steps_since_update: int = 0
+    calls: list[tuple[str, tuple[Any, ...]]] = dataclasses.field(default_factory=list)
+    calls_closed: bool = False
+
+    def note_call(self, name: str, args: tuple[Any, ...]) -> None:
+        """Append a scaler call to :attr:`calls` (a new list at the first unscale/clip/step
+        after an ``update()``)."""
+        if self.calls_closed and name in ("unscale_", "clip_grad_norm_", "step"):
+            self.calls, self.calls_closed = [], False
+        self.calls.append((name, args))
+        if name in ("update", "abandon"):
+            self.calls_closed = True
 
     def record(self, optimizer: Any) -> dict[str, Any]:
         """``optimizer``'s record, created READY if new (inserted explicitly: ``torch.compile``

@@ -14,7 +14,7 @@ from typing import Any, overload
 
 import torch
 from torch.amp.grad_scaler import OptState
-from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.distributed.algorithms.join import Joinable, JoinHook
 
 from . import _clip, _sync
 from ._alarm import Alarm
@@ -194,6 +194,7 @@ class ShardedGradScaler(torch.amp.GradScaler, Joinable):
             k for k in GUARD_KEYS if getattr(config, k) != getattr(_DEFAULTS, k)
         )
         Joinable.__init__(self)  # torch.distributed.algorithms.Join: see join_hook()
+        self._shadowing = False  # a joined rank repeating the others' calls (Join)
         self._last_report: tuple[bool, OverflowReport] | None = None  # (all_ranks, report)
 
     @classmethod
@@ -310,6 +311,10 @@ class ShardedGradScaler(torch.amp.GradScaler, Joinable):
         """
         if not self._enabled:
             return
+        self._unscale(optimizer)
+        self._record("unscale_", optimizer)
+
+    def _unscale(self, optimizer: torch.optim.Optimizer) -> None:
         state = self._opt_state("unscale_", optimizer)
         if state["stage"] is OptState.UNSCALED:
             self._fail(
@@ -339,6 +344,8 @@ class ShardedGradScaler(torch.amp.GradScaler, Joinable):
         ``{device: found_inf}`` (0-d float32 copies of ``found_inf``, 1.0 where a gradient held
         inf/NaN). No collective. Gradients ``clip_grad_norm_(params)`` unscaled already are left
         out. ``allow_fp16=False`` refuses fp16 gradients, as torch."""
+        if self._shadowing:  # a joined rank: no gradients of this iteration
+            return {}
         params = list(iter_params(optimizer))
         try:
             buckets = bucket_grads(params, skip=self._it.pre_unscaled)
@@ -379,9 +386,8 @@ class ShardedGradScaler(torch.amp.GradScaler, Joinable):
                 local = torch.maximum(local, flag)
             groups = _sync.cover(self.process_group, _meshes(optimizer))
             agreed = None
-            if groups and it.checks == 0:
-                Join.notify_join_context(self)  # inside a Join: this rank has not joined
             if groups:
+                self._check_join_order()
                 step = self._counters[0]  # type: ignore[index]
                 agreed = _sync.agree(local, step, it.checks, it.scaled, groups)
                 bad = _sync.mismatch(agreed)
@@ -434,7 +440,7 @@ class ShardedGradScaler(torch.amp.GradScaler, Joinable):
             )
         if not getattr(optimizer, "_step_supports_amp_scaling", False):
             if state["stage"] is OptState.READY:
-                self.unscale_(optimizer)
+                self._unscale(optimizer)
             retval = self._maybe_opt_step(optimizer, state, *args, **kwargs)
         elif "grad_scaler" in inspect.signature(optimizer.step).parameters:
             warnings.warn(
@@ -445,7 +451,11 @@ class ShardedGradScaler(torch.amp.GradScaler, Joinable):
                 stacklevel=2,
             )
             state["optimizer"] = weakref.ref(optimizer)
-            retval = optimizer.step(*args, **{**kwargs, "grad_scaler": self})
+            retval = (
+                None
+                if self._shadowing
+                else optimizer.step(*args, **{**kwargs, "grad_scaler": self})
+            )
             self._it.unread_steps = self._it.blind = True
             flags = list(state["found_inf_per_device"].values())
             skipped = sum(flags) > 0 if flags else torch.tensor(False, device="cpu")
@@ -453,6 +463,7 @@ class ShardedGradScaler(torch.amp.GradScaler, Joinable):
         else:
             retval = self._fused_step(optimizer, state, *args, **kwargs)
         state["stage"] = OptState.STEPPED
+        self._record("step", optimizer)
         return retval
 
     def _fused_step(self, optimizer: Any, state: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
@@ -462,7 +473,7 @@ class ShardedGradScaler(torch.amp.GradScaler, Joinable):
             if self._it.pre_unscaled_in(optimizer) or self._it.floor < 1.0:
                 # part is unscaled already, or the scale may be below 1 (the kernel's 1/scale
                 # could overflow unseen): unscale in place, checked
-                self.unscale_(optimizer)
+                self._unscale(optimizer)
             else:
                 self._check_inf_per_device(optimizer)  # check only: the kernel unscales
                 state["grad_scale"] = scale
@@ -482,6 +493,8 @@ class ShardedGradScaler(torch.amp.GradScaler, Joinable):
         put back after), kept out of ``torch.compile`` graphs with the optimizer's step (which
         breaks them by itself) and :meth:`_catch_up`."""
         self._catch_up()
+        if self._shadowing:
+            return None
         optimizer.grad_scale, optimizer.found_inf = grad_scale, found_inf
         try:
             return optimizer.step(*args, **kwargs)
@@ -518,7 +531,7 @@ class ShardedGradScaler(torch.amp.GradScaler, Joinable):
         overflow = bool(sum(f.item() for f in flags))
         self._it.skipped[id(optimizer)] = torch.tensor(overflow, device="cpu")
         self._it.host_overflow = self._it.host_overflow or overflow
-        return None if overflow else optimizer.step(*args, **kwargs)
+        return None if overflow or self._shadowing else optimizer.step(*args, **kwargs)
 
     # ----------------------------------------------------------------- update
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
@@ -546,6 +559,10 @@ class ShardedGradScaler(torch.amp.GradScaler, Joinable):
         """
         if not self._enabled:
             return
+        self._update(new_scale)
+        self._record("update", new_scale)
+
+    def _update(self, new_scale: float | torch.Tensor | None) -> None:
         value = None if new_scale is None else self._check_new_scale(new_scale)  # validate first
         if not self._it.inf_checks()[0] and value is None:
             self._fail(
@@ -608,6 +625,7 @@ class ShardedGradScaler(torch.amp.GradScaler, Joinable):
         :meth:`clip_grad_norm_` returns): a rank that steps instead is out of step and the next
         agreement raises naming it. No collective, no host read."""
         self._it.abandon()
+        self._record("abandon")
 
     def place(self, device: torch.device | str) -> None:
         """Create the scale state on ``device`` before the first :meth:`scale` (e.g. before a
@@ -673,11 +691,18 @@ class ShardedGradScaler(torch.amp.GradScaler, Joinable):
 
     # ------------------------------------------------------------------ Join
     def join_hook(self, **kwargs: Any) -> JoinHook:
-        """For ``torch.distributed.algorithms.Join([model, scaler])`` (uneven inputs): a rank
-        that ran out of data still takes part in every agreement of the others (with no
-        overflow of its own: the same all-reduces, one per optimizer checked in its last
-        iteration) and applies the agreed update, so every rank keeps the same scale. List the
-        model (DDP) before the scaler: the joined ranks shadow the collectives in that order."""
+        """For ``torch.distributed.algorithms.Join([ddp_model, scaler])`` (uneven inputs).
+
+        A rank that ran out of data repeats, once per iteration of the others, the scaler calls
+        of its own last iteration (``unscale_``, ``clip_grad_norm_``, ``step``, ``update``,
+        ``overflow_report(all_ranks=True)``, ``abandon``, in their order) with no gradients of
+        its own: it takes part in every collective of the others (the agreements, the clip's
+        norm, the overflow report's and a collapse's gathers), never steps an optimizer, and
+        applies the agreed update, so every rank keeps the same scale and raises a collapse
+        together. The ranks must run the same scaler calls in every iteration (one optimizer
+        step per forward: no gradient accumulation inside a Join). List the model first (its
+        hook shadows the forward and backward collectives, which come first); the scaler listed
+        first raises a ``RuntimeError`` at its first collective."""
         return _ScalerJoinHook(self)
 
     @property
@@ -692,21 +717,27 @@ class ShardedGradScaler(torch.amp.GradScaler, Joinable):
         return groups[0] if groups else None
 
     def _shadow_iteration(self) -> None:
-        """A joined rank's part of one iteration of the others: their agreements, then their
-        update."""
-        groups = _sync.resolve_groups(self.process_group)
+        """A joined rank's part of one iteration of the others: the scaler calls of its last
+        iteration, repeated without gradients (see :meth:`join_hook`); with none (it never
+        trained), one agreement and the agreed update."""
         if self._scale is None:
             self._lazy_init_scale_growth_tracker(self._device)
-        state = self._state()
-        zero = torch.zeros((), dtype=torch.float32, device=state.scale.device)
-        found, anyone = zero, False
-        for k in range(max(self._it.last_checks, 1)):
-            agreed = _sync.agree(zero, state.counters[0], k, False, groups)
-            found = torch.maximum(found, agreed[_sync.FOUND])
-            anyone = anyone or bool(agreed[_sync.SCALED] > 0)
-        if anyone:
-            collapsed, old = step_(state, found, self._config)
-            self._alarm.note_collapse(collapsed, state.counters[0], old)  # type: ignore[union-attr]
+        calls = list(self._it.calls)
+        if not calls:
+            groups = _sync.resolve_groups(self.process_group)
+            state = self._state()
+            zero = torch.zeros((), dtype=torch.float32, device=state.scale.device)
+            agreed = _sync.agree(zero, state.counters[0], 0, False, groups)
+            if bool(agreed[_sync.SCALED] > 0):
+                collapsed, old = step_(state, agreed[_sync.FOUND], self._config)
+                self._alarm.note_collapse(collapsed, state.counters[0], old)  # type: ignore[union-attr]
+            return
+        self._shadowing = True
+        try:
+            for name, args in calls:
+                getattr(self, name)(*args)
+        finally:
+            self._shadowing = False
 
     # ------------------------------------------------------------- clipping
     def clip_grad_norm_(
@@ -759,12 +790,23 @@ class ShardedGradScaler(torch.amp.GradScaler, Joinable):
             NotImplementedError: several process groups / a multi-dimensional mesh, or DTensor
                 gradients on a mesh other than the scaler's group.
         """
+        target: Any = optimizer_or_params
+        if not _is_optimizer(target):
+            target = _clip.param_list(target)  # a generator is read once
+        total = self._clip_grad_norm(target, max_norm, norm_type, error_if_nonfinite, foreach)
+        self._record("clip_grad_norm_", target, max_norm, norm_type, error_if_nonfinite, foreach)
+        return total
+
+    def _clip_grad_norm(
+        self,
+        optimizer_or_params: Any,
+        max_norm: float,
+        norm_type: float | str,
+        error_if_nonfinite: bool,
+        foreach: bool | None,
+    ) -> torch.Tensor:
         is_opt = _is_optimizer(optimizer_or_params)
-        params = (
-            list(iter_params(optimizer_or_params))
-            if is_opt
-            else _clip.param_list(optimizer_or_params)
-        )  # type: ignore[arg-type]
+        params = list(iter_params(optimizer_or_params)) if is_opt else optimizer_or_params
         max_norm_f = _clip.check_max_norm(max_norm)
         p = _clip.check_norm_type(norm_type)
         if not isinstance(error_if_nonfinite, bool):
@@ -784,6 +826,10 @@ class ShardedGradScaler(torch.amp.GradScaler, Joinable):
             buckets = _clip.bucket(params, group, self.rank_local_params)
         except SharedMemoryGradError as e:
             raise e.naming(self._names.current(), params) from None
+        if self._shadowing:
+            buckets = {}  # a joined rank: no gradients of this iteration
+        if group is not None:
+            self._check_join_order()
         if not self._enabled:
             return _clip.clip_unscaled(buckets, p, max_norm_f, group, **opts)
         if self._scale is None:  # an idle rank: no loss to scale since the start (or a resume)
@@ -940,6 +986,12 @@ class ShardedGradScaler(torch.amp.GradScaler, Joinable):
         """
         if not isinstance(all_ranks, bool):
             raise TypeError(f"all_ranks must be a bool, got {all_ranks!r}.")
+        report = self._overflow_report(all_ranks)
+        if all_ranks:
+            self._record("overflow_report", True)
+        return report
+
+    def _overflow_report(self, all_ranks: bool) -> OverflowReport | None:
         flags, refs = self._it.inf_checks()
         if flags:  # mid-iteration: what was checked so far
             scale: torch.Tensor = self._scale  # type: ignore[assignment]
@@ -965,7 +1017,7 @@ class ShardedGradScaler(torch.amp.GradScaler, Joinable):
     def _scan(self, optimizers: list[Any], all_ranks: bool = True) -> list[Any]:
         """The non-finite gradients of ``optimizers``, on every rank (a gather: collective)
         or this one's."""
-        entries = scan_local(optimizers, self._names, _sync.rank())
+        entries = [] if self._shadowing else scan_local(optimizers, self._names, _sync.rank())
         if all_ranks:
             entries = _sync.gather_objects(entries, _sync.resolve_groups(self.process_group))
         return sorted(entries, key=lambda e: (e.rank, e.name))
@@ -1131,6 +1183,23 @@ class ShardedGradScaler(torch.amp.GradScaler, Joinable):
         return new
 
     # ---------------------------------------------------------------- helpers
+    def _record(self, name: str, *args: Any) -> None:
+        """Note a call that completed, for a rank that joins later (Join): it repeats the calls
+        of its last iteration. Nothing is noted while repeating or under ``torch.compile``."""
+        if not self._shadowing and not torch.compiler.is_compiling():
+            self._it.note_call(name, args)
+
+    def _check_join_order(self) -> None:
+        """Inside ``Join``, the model (DDP) must come first: its hook shadows the forward and
+        backward collectives, which come before the scaler's."""
+        config = self._join_config
+        if config.enable and config.is_first_joinable:
+            raise RuntimeError(
+                "ShardedGradScaler is the first Joinable of a Join: list the model before it, "
+                "Join([ddp_model, scaler]) (a joined rank shadows the model's collectives first, "
+                "then the scaler's)."
+            )
+
     def _opt_state(self, method: str, optimizer: Any) -> dict[str, Any]:
         """``optimizer``'s record of this iteration (created READY), after checking the call."""
         if not _is_optimizer(optimizer):
