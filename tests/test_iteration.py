@@ -165,6 +165,40 @@ def test_update_after_each_of_two_optimizers_is_caught():
         s.update()
 
 
+@pytest.mark.parametrize("n_opts", [2, 3])
+def test_update_after_each_optimizer_still_counts_their_overflows(n_opts):
+    """The same pattern, with an inf in the last optimizer's gradients from iteration 2 on:
+    its steps are skipped and every update counts as torch's does (the scales, the skips and
+    the parameters equal torch.amp.GradScaler's), never taken for checkpoint plumbing."""
+    results = []
+    for make in (torch.amp.GradScaler, ShardedGradScaler):
+        torch.manual_seed(0)
+        models = [torch.nn.Linear(8, 1) for _ in range(n_opts)]
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+        s = make("cpu", init_scale=256.0, growth_interval=3)
+        scales = []
+        for it in range(6):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(it))
+            losses = [m(x).mean() for m in models]
+            losses[-1] = losses[-1] * (INF if it >= 2 else 1.0)
+            s.scale(sum(losses)).backward()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # the order warning
+                for opt in opts:
+                    s.step(opt)
+                    s.update()
+                    scales.append(s.get_scale())
+            for opt in opts:
+                opt.zero_grad()
+        results.append((scales, [p.detach().clone() for m in models for p in m.parameters()]))
+    (torch_scales, torch_params), (ours, params) = results
+    assert ours == torch_scales
+    assert min(ours) < 256.0  # the overflows backed off
+    for p, q in zip(params, torch_params, strict=True):
+        assert torch.equal(p, q)
+    assert s.metrics()["skipped_steps"] == 4  # the last optimizer's, iterations 2-5
+
+
 # -------------------------------------------------- checkpoint plumbing's zero-gradient step
 class _WrappedOptimizer(torch.optim.Optimizer):
     """An optimizer wrapper whose step() drives the scaler, as accelerate's AcceleratedOptimizer

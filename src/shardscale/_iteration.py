@@ -68,6 +68,9 @@ class Iteration:
         unread_steps: fused steps ran whose flags the host never read (since the last poll).
         updates_since_poll: ``update()`` calls since the alarm was last read.
         scaled: ``scale()`` was called in this iteration (on this rank).
+        ever_scaled: ``scale()`` was called in an iteration closed since the scaler was made
+            or loaded: a later step without ``scale()`` steps gradients that were scaled (an
+            ``update()`` after each optimizer), not checkpoint plumbing on zero gradients.
         last_scaled: whether it was in the iteration the last ``update()`` closed (None: no
             update since the scaler was made or loaded).
         checks: the agreements made in this iteration (the next one's ordinal).
@@ -94,6 +97,7 @@ class Iteration:
     updates_since_poll: int = 0
     scaled: bool = False
     last_scaled: bool | None = None
+    ever_scaled: bool = False
     checks: int = 0
     last_checks: int = 0
     blind: bool = False
@@ -101,6 +105,11 @@ class Iteration:
     steps_since_update: int = 0
     calls: list[tuple[str, tuple[Any, ...]]] = dataclasses.field(default_factory=list)
     calls_closed: bool = False
+
+    def counts(self) -> bool:
+        """This rank's vote that the iteration counts: it called ``scale()``, now or in an
+        earlier iteration since the scaler was made or loaded (its gradients were scaled)."""
+        return self.scaled or self.ever_scaled
 
     def note_call(self, name: str, args: tuple[Any, ...]) -> None:
         """Append a scaler call to :attr:`calls` (a new list at the first unscale/clip/step
@@ -185,5 +194,6 @@ class Iteration:
         """Clear this iteration's records (``close`` without the sum)."""
         self.states = defaultdict(fresh_state)
         self.pre_unscaled = {}
+        self.ever_scaled = self.ever_scaled or self.scaled
         self.last_scaled, self.scaled, self.blind = self.scaled, False, False
         self.last_checks, self.checks = self.checks, 0

@@ -389,7 +389,7 @@ class ShardedGradScaler(torch.amp.GradScaler, Joinable):
             if groups:
                 self._check_join_order()
                 step = self._counters[0]  # type: ignore[index]
-                agreed = _sync.agree(local, step, it.checks, it.scaled, groups)
+                agreed = _sync.agree(local, step, it.checks, it.counts(), groups)
                 bad = _sync.mismatch(agreed)
                 self._alarm.note_mismatch(bad, agreed, step, it.checks)  # type: ignore[union-attr]
                 local = torch.maximum(agreed[0], bad.float())
@@ -577,8 +577,9 @@ class ShardedGradScaler(torch.amp.GradScaler, Joinable):
         seen_clean = self._it.seen_clean()
         found_inf, refs = self._it.close(state.scale.device)
         if not anyone_scaled and value is None:
-            # no rank called scale() in this iteration: a step of checkpoint plumbing on zero
-            # gradients (torch.distributed.checkpoint's optimizer-state init): nothing to count
+            # no rank has called scale() since the scaler was made or loaded: a step of
+            # checkpoint plumbing on zero gradients (torch.distributed.checkpoint's
+            # optimizer-state init): nothing to count
             return
         if value is not None:
             old = state.scale.clone()
@@ -609,9 +610,10 @@ class ShardedGradScaler(torch.amp.GradScaler, Joinable):
             it.host_overflow = False
 
     def _anyone_scaled(self) -> bool:
-        """Whether any rank called ``scale()`` in this iteration: this one (no host read), or
-        another, as the iteration's agreements say (one host read, on idle ranks only)."""
-        if self._it.scaled:
+        """Whether the iteration counts: this rank's gradients were scaled (``scale()`` now, or
+        in an earlier iteration since the scaler was made or loaded: no host read), or another
+        rank's were, as the iteration's agreements say (one host read, on idle ranks only)."""
+        if self._it.counts():
             return True
         seen = self._it.others_scaled()
         return bool(torch.stack(seen).any()) if seen else False
@@ -878,7 +880,7 @@ class ShardedGradScaler(torch.amp.GradScaler, Joinable):
         opts: dict[str, bool],
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
         scale: torch.Tensor = self._scale  # type: ignore[assignment]
-        inv, scaled, low = self._inv_scale(), self._it.scaled, self._it.floor < 1.0
+        inv, scaled, low = self._inv_scale(), self._it.counts(), self._it.floor < 1.0
         return _clip.norm_and_clip(
             buckets, scale, inv, p, max_norm, group, fused, scaled, low, **opts
         )
@@ -1136,6 +1138,7 @@ class ShardedGradScaler(torch.amp.GradScaler, Joinable):
         if fresh is not None:
             self._state().copy_from(fresh)
         self._it.last_scaled = None  # a step before the next scale() is checkpoint plumbing
+        self._it.ever_scaled = False
         self._it.floor = loaded.scale
 
     def __getstate__(self) -> dict[str, Any]:
