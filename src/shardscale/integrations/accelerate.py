@@ -120,7 +120,7 @@ def _enable_cpu_fp16(accelerator: Any) -> None:
     (as ``Accelerator.prepare_model`` does it) and of ``accelerator.autocast()``."""
     warnings.warn(
         "mixed_precision='fp16' on the CPU: accelerate turns fp16 off there (no autocast, no "
-        "grad scaler); use_shardscale() turns on fp16 autocast on the CPU and loss scaling. fp16 "
+        "grad scaler); shardscale turns on fp16 autocast on the CPU and loss scaling. fp16 "
         "on the CPU is slow: use it for testing (bf16 for CPU training).",
         UserWarning,
         stacklevel=3,
