@@ -69,8 +69,11 @@ class Iteration:
         updates_since_poll: ``update()`` calls since the alarm was last read.
         scaled: ``scale()`` was called in this iteration (on this rank).
         ever_scaled: ``scale()`` was called in an iteration closed since the scaler was made
-            or loaded: a later step without ``scale()`` steps gradients that were scaled (an
-            ``update()`` after each optimizer), not checkpoint plumbing on zero gradients.
+            or loaded.
+        stale: gradients were checked in this iteration without ``scale()`` in it, after one
+            since the scaler was made or loaded: scaled gradients stepped after an
+            ``update()`` (an ``update()`` after each optimizer), which count, unlike checkpoint
+            plumbing's zero gradients right after a load or an iteration without gradients.
         last_scaled: whether it was in the iteration the last ``update()`` closed (None: no
             update since the scaler was made or loaded).
         checks: the agreements made in this iteration (the next one's ordinal).
@@ -98,6 +101,7 @@ class Iteration:
     scaled: bool = False
     last_scaled: bool | None = None
     ever_scaled: bool = False
+    stale: bool = False
     checks: int = 0
     last_checks: int = 0
     blind: bool = False
@@ -107,9 +111,14 @@ class Iteration:
     calls_closed: bool = False
 
     def counts(self) -> bool:
-        """This rank's vote that the iteration counts: it called ``scale()``, now or in an
-        earlier iteration since the scaler was made or loaded (its gradients were scaled)."""
-        return self.scaled or self.ever_scaled
+        """This rank's vote that the iteration counts: its gradients were scaled (``scale()``
+        in this iteration, or :attr:`stale` ones)."""
+        return self.scaled or self.stale
+
+    def saw_gradients(self) -> None:
+        """Gradients were checked: stale ones if ``scale()`` was not called since the update."""
+        if not self.scaled and self.ever_scaled:
+            self.stale = True
 
     def note_call(self, name: str, args: tuple[Any, ...]) -> None:
         """Append a scaler call to :attr:`calls` (a new list at the first unscale/clip/step
@@ -194,6 +203,6 @@ class Iteration:
         """Clear this iteration's records (``close`` without the sum)."""
         self.states = defaultdict(fresh_state)
         self.pre_unscaled = {}
-        self.ever_scaled = self.ever_scaled or self.scaled
+        self.ever_scaled, self.stale = self.ever_scaled or self.scaled, False
         self.last_scaled, self.scaled, self.blind = self.scaled, False, False
         self.last_checks, self.checks = self.checks, 0

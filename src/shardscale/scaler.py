@@ -376,8 +376,10 @@ class ShardedGradScaler(torch.amp.GradScaler, Joinable):
         try:
             zero = torch.zeros((), dtype=torch.float32, device=home)
             flags = self._unscale_grads_(optimizer, inv_scale, zero, True)
-            if flags and not it.scaled and it.last_scaled:
-                warnings.warn(_STALE, RuntimeWarning, stacklevel=3)
+            if flags:
+                if not it.scaled and it.last_scaled:
+                    warnings.warn(_STALE, RuntimeWarning, stacklevel=3)
+                it.saw_gradients()
             local = combine_flags(flags, home)
             if unscaling and it.floor < 1.0:  # 1/scale > 1: finite gradients may overflow now
                 again = self._unscale_grads_(optimizer, torch.ones_like(inv_scale), zero, True)
@@ -830,6 +832,8 @@ class ShardedGradScaler(torch.amp.GradScaler, Joinable):
             raise e.naming(self._names.current(), params) from None
         if self._shadowing:
             buckets = {}  # a joined rank: no gradients of this iteration
+        elif buckets:
+            self._it.saw_gradients()
         if group is not None:
             self._check_join_order()
         if not self._enabled:
