@@ -35,10 +35,13 @@ class Alarm:
         self.mismatch = torch.zeros(_OWN_CHECK + 1, dtype=dtype, device=device)
 
     def note_collapse(
-        self, collapsed: torch.Tensor, steps: torch.Tensor, scale: torch.Tensor
+        self, collapsed: torch.Tensor | None, steps: torch.Tensor, scale: torch.Tensor
     ) -> None:
         """Record ``steps`` (0-d: ``update()`` calls so far, this one included) and ``scale``
-        if ``collapsed`` (0-d bool) and no collapse is recorded yet: 6 tensor operations."""
+        if ``collapsed`` (0-d bool; None: no collapse was possible) and no collapse is recorded
+        yet: 6 tensor operations."""
+        if collapsed is None:
+            return
         first = collapsed & (self.collapse[0] < 0)
         record = torch.stack([steps.to(self.collapse.dtype), scale.to(self.collapse.dtype)])
         self.collapse.copy_(torch.where(first, record, self.collapse))
@@ -84,3 +87,47 @@ class Alarm:
             return None, now
         self.collapse[0] = -1
         return (int(step) - 1, scale), now
+
+
+#: update() calls between two reads of the alarm (a completed device-to-host copy) when steps
+#: ran whose found-inf flag the host never read (fused optimizers).
+POLL_EVERY = 16
+
+
+class Schedule:
+    """When the host reads the alarm: after a step read an overflow (the read is paid for
+    already), when the scale may be below 1, every :data:`POLL_EVERY` updates while fused steps
+    run (their flags are never read) or while the host's bounds of the scale keep the update
+    off its plain path; in a compiled loop (``update()`` traced, reading nothing), every
+    :data:`POLL_EVERY` steps from the steps' eager part.
+
+    Attributes:
+        updates: ``update()`` calls since the last read.
+        unread: fused steps ran since the last read.
+        steps: steps since the last eager ``update()`` (a compiled loop's count).
+    """
+
+    def __init__(self) -> None:
+        self.updates, self.unread, self.steps = 0, False, 0
+
+    def step(self) -> bool:
+        """A step ran (one whose flag the host does not read sets :attr:`unread`); returns
+        whether a compiled loop's catch-up read is due (eager ``update()`` calls reset the
+        count)."""
+        self.steps += 1
+        if self.steps > POLL_EVERY:
+            self.steps = 0
+            return True
+        return False
+
+    def update_due(self, read_overflow: bool, below_one: bool, refresh: bool) -> bool:
+        """An eager ``update()`` ran: whether to read the alarm now (``refresh``: the host's
+        bounds of the scale would gain from an exact value)."""
+        self.updates += 1
+        self.steps = 0
+        periodic = (self.unread or refresh) and self.updates >= POLL_EVERY
+        return read_overflow or below_one or periodic
+
+    def read(self) -> None:
+        """The alarm was read."""
+        self.updates, self.unread = 0, False

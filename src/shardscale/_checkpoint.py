@@ -1,15 +1,21 @@
-"""The scaler's ``state_dict``: torch's five keys plus shardscale's, built and validated here."""
+"""The scaler's checkpoints: its ``state_dict`` (torch's five keys plus shardscale's, built and
+validated here) and its pickling, copies and deep copies (:class:`Picklable`)."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import numbers
 import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from ._config import INT32_MAX, INT64_MAX, ScalerConfig, _check_real, check_scale
-from ._policy import COUNTER_NAMES
+from ._alarm import Schedule
+from ._config import INT32_MAX, INT64_MAX, ScalerConfig, check_real, check_scale
+from ._iteration import Iteration
+from ._join import CallLog
+from ._policy import COUNTER_NAMES, HostBounds, LossScale, Numbers
+from ._report import ParamNames, Reporter
 
 #: The keys of ``torch.amp.GradScaler.state_dict()``, required in every loaded state.
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
@@ -38,6 +44,10 @@ class LoadedState:
     hysteresis_tracker: int
     counters: tuple[int, ...]
 
+    @property
+    def numbers(self) -> Numbers:
+        return Numbers(self.scale, self.growth_tracker, self.hysteresis_tracker, self.counters)
+
 
 def to_state_dict(config: ScalerConfig, metrics: Mapping[str, float | int]) -> dict[str, Any]:
     """The state dict of a scaler with ``config`` whose :meth:`metrics` are ``metrics``."""
@@ -61,6 +71,13 @@ def to_state_dict(config: ScalerConfig, metrics: Mapping[str, float | int]) -> d
 
 #: shardscale's own policy fields: a value the constructor asked for wins over a checkpoint's.
 GUARD_KEYS = CONFIG_KEYS[3:]
+def asked(config: ScalerConfig) -> frozenset[str]:
+    """The guard fields ``config`` sets away from their defaults: they win over a checkpoint's
+    in ``load_state_dict`` (a guard asked for is never switched off by a resume)."""
+    defaults = ScalerConfig()
+    return frozenset(k for k in GUARD_KEYS if getattr(config, k) != getattr(defaults, k))
+
+
 #: The top-level keys shardscale's state dict has beyond torch's (``_counters`` is a dict).
 EXTRA_KEYS = (*GUARD_KEYS, "_hysteresis_tracker", "_counters")
 
@@ -106,7 +123,7 @@ def parse_state_dict(
         # torch's GradScaler has no bounds: with a growth factor that is not a power of 2 its
         # scale can pass 2**127, and it can back off below 2**-126. Such a state is valid for
         # torch: load it with the scale clamped into this scaler's bounds, and say so.
-        value = _check_real("state_dict['scale']", raw_scale)
+        value = check_real("state_dict['scale']", raw_scale)
         if value >= 0 and not config.min_scale <= value <= config.max_scale:  # 0: backed off to 0
             clamped = min(max(value, config.min_scale), config.max_scale)
             what = "the bounds kept" if overridden else "a torch.amp.GradScaler state"
@@ -146,3 +163,64 @@ def _nonneg_int(name: str, value: object, maximum: int = INT64_MAX) -> int:
             f"{'32' if maximum == INT32_MAX else '64'}-bit integer tensor), got {value!r}."
         )
     return int(value)
+
+
+class Picklable:
+    """Pickling, ``copy.copy`` and ``copy.deepcopy`` of a scaler, at an iteration boundary: the
+    scale state as numbers (re-created on its device at the next ``scale()``), a fresh record;
+    process groups are shared by copies and dropped by pickles, as are parameter names (ids of
+    this process's parameters). A mixin of :class:`shardscale.ShardedGradScaler`, reading its
+    ``_it``, ``_loss_scale``, ``_enabled``, ``_device``, ``_reporter`` and ``process_group``."""
+
+    _it: Iteration
+    _loss_scale: LossScale
+    _enabled: bool
+    _device: str
+    _reporter: Reporter
+    process_group: Any
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self._it.started():
+            raise RuntimeError(
+                "A ShardedGradScaler may only be pickled at an iteration boundary (before scale() "
+                "or after update())."
+            )
+        state = self.__dict__.copy()
+        numbers = self._loss_scale.read()[0] if self._enabled else self._loss_scale.numbers
+        state.update(
+            _loss_scale=LossScale(numbers),
+            _bounds=HostBounds.at(numbers.scale),
+            _alarm=None,
+            _it=Iteration(),
+            _calls=CallLog(),
+            _schedule=Schedule(),
+            _reporter=Reporter(ParamNames()),
+            process_group=None,
+        )
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        fresh = type(self)(state.get("_device", "cpu"), enabled=False).__dict__  # type: ignore[call-arg]
+        fresh.update({k: v for k, v in state.items() if k in fresh})  # an older pickle: its keys
+        for key, kind in (("_loss_scale", LossScale), ("_reporter", Reporter)):
+            if not isinstance(fresh[key], kind):  # pragma: no cover - defensive
+                fresh[key] = type(self)("cpu").__dict__[key]  # type: ignore[call-arg]
+        self.__dict__.update(fresh)
+
+    def __copy__(self) -> Any:
+        """A copy (at an iteration boundary, as pickling) naming the same parameters."""
+        new = type(self).__new__(type(self))
+        new.__setstate__(self.__getstate__())
+        new._reporter.names, new.process_group = self._reporter.names, self.process_group
+        return new
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        """A deep copy (at an iteration boundary, as pickling). Report names follow the
+        parameters copied *before* the scaler in the same ``deepcopy`` call; others keep naming
+        the originals."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        new._reporter.names = self._reporter.names.remapped(memo)
+        new.process_group = self.process_group  # a process resource: shared, not copied
+        return new

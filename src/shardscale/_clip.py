@@ -20,6 +20,7 @@ Every function here is tensor code on the scale's device: no host synchronisatio
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from collections.abc import Iterable
@@ -75,6 +76,54 @@ def check_norm_type(norm_type: object) -> float:
             "norms."
         )
     return value
+
+
+@dataclasses.dataclass(frozen=True)
+class ClipArgs:
+    """``clip_grad_norm_``'s arguments, validated (:meth:`check`).
+
+    Attributes:
+        max_norm: >= 0 (inf: no clipping).
+        p: the norm's order, > 0 (inf for the max norm).
+        error_if_nonfinite: raise on a non-finite total norm (one host read).
+        foreach: use the ``torch._foreach_*`` kernels.
+    """
+
+    max_norm: float
+    p: float
+    error_if_nonfinite: bool
+    foreach: bool
+
+    @classmethod
+    def check(
+        cls, max_norm: object, norm_type: object, error_if_nonfinite: object, foreach: object
+    ) -> ClipArgs:
+        """Raises TypeError/ValueError naming the bad argument."""
+        max_norm_f, p = check_max_norm(max_norm), check_norm_type(norm_type)
+        if not isinstance(error_if_nonfinite, bool):
+            raise TypeError(f"error_if_nonfinite must be a bool, got {error_if_nonfinite!r}.")
+        if foreach is not None and not isinstance(foreach, bool):
+            raise TypeError(f"foreach must be None or a bool, got {foreach!r}.")
+        return cls(max_norm_f, p, error_if_nonfinite, foreach is not False)
+
+    @property
+    def opts(self) -> dict[str, bool]:
+        return {"error_if_nonfinite": self.error_if_nonfinite, "foreach": self.foreach}
+
+
+def single_group(groups: list[Any]) -> Any:
+    """The one process group a clip reduces over (None for none).
+
+    Raises:
+        NotImplementedError: several groups (HSDP, a multi-dimensional mesh).
+    """
+    if len(groups) > 1:
+        raise NotImplementedError(
+            "clip_grad_norm_() supports one process group (or a 1-D DeviceMesh); this scaler "
+            f"reduces over {len(groups)} groups. For HSDP / multi-dimensional meshes, call "
+            "scaler.unscale_(optimizer) and compute the norm with your framework's helper."
+        )
+    return groups[0] if groups else None
 
 
 def param_list(params: object) -> list[torch.Tensor]:

@@ -20,7 +20,9 @@ _FLOAT32_MAX = 3.4028234663852886e38
 OnCollapse = Literal["raise", "warn"]
 
 
-def _check_real(name: str, value: object) -> float:
+def check_real(name: str, value: object) -> float:
+    """``value`` as a finite float (Python/NumPy scalars, a 1-element float tensor read once).
+    Raises TypeError/ValueError naming ``name``."""
     # numbers.Real covers Python and NumPy scalars; a 1-element tensor is read once (as torch does)
     if isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point():
         value = value.item()
@@ -38,7 +40,8 @@ INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
 
 
-def _check_int(name: str, value: object, minimum: int, maximum: int = INT64_MAX) -> int:
+def check_int(name: str, value: object, minimum: int, maximum: int = INT64_MAX) -> int:
+    """``value`` as an int in ``[minimum, maximum]``. Raises TypeError/ValueError naming it."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r}).")
     value = int(value)
@@ -54,7 +57,7 @@ def _check_int(name: str, value: object, minimum: int, maximum: int = INT64_MAX)
 
 def check_growth_factor(value: object) -> float:
     """Validate ``growth_factor`` (> 1). Raises TypeError/ValueError naming the argument."""
-    v = _check_real("growth_factor", value)
+    v = check_real("growth_factor", value)
     if v <= 1.0:
         raise ValueError(
             f"growth_factor must be > 1.0, got {v}. (torch's FSDP ShardedGradScaler takes "
@@ -65,7 +68,7 @@ def check_growth_factor(value: object) -> float:
 
 def check_backoff_factor(value: object) -> float:
     """Validate ``backoff_factor`` (in the open interval (0, 1))."""
-    v = _check_real("backoff_factor", value)
+    v = check_real("backoff_factor", value)
     if not 0.0 < v < 1.0:
         raise ValueError(
             f"backoff_factor must be in (0, 1), got {v}. (torch's FSDP ShardedGradScaler takes "
@@ -76,7 +79,7 @@ def check_backoff_factor(value: object) -> float:
 
 def check_growth_interval(value: object) -> int:
     """Validate ``growth_interval`` (an int >= 1)."""
-    return _check_int("growth_interval", value, 1)
+    return check_int("growth_interval", value, 1)
 
 
 def round_f32(x: float) -> float:
@@ -88,7 +91,7 @@ def check_scale(name: str, value: object, min_scale: float, max_scale: float) ->
     """Validate a scale value: finite, > 0 and inside ``[min_scale, max_scale]``, the bounds
     widened to their float32 roundings (a float32 scale clamped at a bound that float32 cannot
     hold, e.g. 1e-4, sits just outside it and must load back from a state_dict)."""
-    v = _check_real(name, value)
+    v = check_real(name, value)
     if v <= 0.0:
         raise ValueError(f"{name} must be > 0, got {v}.")
     lo, hi = min(min_scale, round_f32(min_scale)), max(max_scale, round_f32(max_scale))
@@ -146,12 +149,35 @@ class ScalerConfig:
     max_consecutive_skips: int | None = None
     on_collapse: OnCollapse = "raise"
 
+    @property
+    def plain(self) -> bool:
+        """torch's rule with bounds: dynamic, every overflow backs off (hysteresis 1), no skip
+        guard. Its update is torch's kernel and the counters (``_policy``'s plain path)."""
+        return (
+            self.dynamic
+            and self.hysteresis == 1
+            and not self.consecutive_hysteresis
+            and self.max_consecutive_skips is None
+        )
+
+    def with_growth_factor(self, value: object) -> ScalerConfig:
+        """This policy with ``growth_factor`` replaced (validated first)."""
+        return dataclasses.replace(self, growth_factor=check_growth_factor(value))
+
+    def with_backoff_factor(self, value: object) -> ScalerConfig:
+        """This policy with ``backoff_factor`` replaced (validated first)."""
+        return dataclasses.replace(self, backoff_factor=check_backoff_factor(value))
+
+    def with_growth_interval(self, value: object) -> ScalerConfig:
+        """This policy with ``growth_interval`` replaced (validated first)."""
+        return dataclasses.replace(self, growth_interval=check_growth_interval(value))
+
     def __post_init__(self) -> None:
         check_growth_factor(self.growth_factor)
         check_backoff_factor(self.backoff_factor)
         check_growth_interval(self.growth_interval)
-        lo = _check_real("min_scale", self.min_scale)
-        hi = _check_real("max_scale", self.max_scale)
+        lo = check_real("min_scale", self.min_scale)
+        hi = check_real("max_scale", self.max_scale)
         if lo < DEFAULT_MIN_SCALE:
             raise ValueError(
                 f"min_scale must be >= 2**-126 (the smallest normal float32), got {lo}: below it "
@@ -164,18 +190,72 @@ class ScalerConfig:
             )
         if hi < lo:
             raise ValueError(f"max_scale ({hi}) must be >= min_scale ({lo}).")
-        _check_int("hysteresis", self.hysteresis, 1, INT32_MAX)  # the tracker is int32
+        check_int("hysteresis", self.hysteresis, 1, INT32_MAX)  # the tracker is int32
         for name in ("consecutive_hysteresis", "dynamic"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}.")
         if self.max_consecutive_skips is not None:
-            _check_int("max_consecutive_skips", self.max_consecutive_skips, 1)
+            check_int("max_consecutive_skips", self.max_consecutive_skips, 1)
         if self.on_collapse not in ("raise", "warn"):
             raise ValueError(f"on_collapse must be 'raise' or 'warn', got {self.on_collapse!r}.")
         # Store normalised floats (ints are accepted for the float fields).
         # Store plain Python numbers (NumPy scalars and 1-element tensors are accepted).
         for name in ("growth_factor", "backoff_factor", "min_scale", "max_scale"):
-            object.__setattr__(self, name, _check_real(name, getattr(self, name)))
+            object.__setattr__(self, name, check_real(name, getattr(self, name)))
         for name in ("growth_interval", "hysteresis", "max_consecutive_skips"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, int(getattr(self, name)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The constructor's arguments, validated (:func:`settings`).
+
+    Attributes:
+        device_type: torch's ``GradScaler._device`` (e.g. ``"cuda"``, ``"cpu"``).
+        enabled: whether scaling is on.
+        config: the policy.
+        init_scale: the initial loss scale, inside the policy's bounds.
+        report_overflows, rank_local_params: as the constructor's.
+    """
+
+    device_type: str
+    enabled: bool
+    config: ScalerConfig
+    init_scale: float
+    report_overflows: bool
+    rank_local_params: bool
+
+
+def settings(
+    device: object,
+    init_scale: object,
+    enabled: object,
+    report_overflows: object,
+    rank_local_params: object,
+    **policy: object,
+) -> Settings:
+    """Validate ``ShardedGradScaler``'s arguments (``policy``: :class:`ScalerConfig`'s fields,
+    ``min_scale``/``max_scale`` None for their defaults) before anything is built.
+
+    Raises:
+        TypeError, ValueError: the first bad argument, named, with the range it must be in.
+    """
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}.")
+    device_type = torch.device(device).type
+    numpy_bool = type(enabled).__module__ == "numpy" and "bool" in type(enabled).__name__
+    if not (isinstance(enabled, numbers.Integral) or numpy_bool):
+        raise TypeError(f"enabled must be a bool, got {enabled!r}.")
+    fields = {k: v for k, v in policy.items() if v is not None or k == "max_consecutive_skips"}
+    config = ScalerConfig(**fields)  # type: ignore[arg-type]
+    init = check_scale("init_scale", init_scale, config.min_scale, config.max_scale)
+    for name, flag in (
+        ("rank_local_params", rank_local_params),
+        ("report_overflows", report_overflows),
+    ):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {flag!r}.")
+    return Settings(device_type, bool(enabled), config, init, report_overflows, rank_local_params)

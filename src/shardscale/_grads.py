@@ -215,7 +215,7 @@ def bucket_grads(params: Iterable[Any], skip: Container[int] = ()) -> Buckets:
 
 
 def unscale_and_check(
-    buckets: Buckets, inv_scale: torch.Tensor, found_inf: torch.Tensor
+    buckets: Buckets, inv_scale: torch.Tensor, found_inf: torch.Tensor | None = None
 ) -> dict[torch.device, torch.Tensor]:
     """Multiply every gradient by ``inv_scale`` in place and flag non-finite values.
 
@@ -225,7 +225,8 @@ def unscale_and_check(
     Args:
         buckets: from :func:`bucket_grads`.
         inv_scale: 0-d float32 tensor (any device; copied once per device).
-        found_inf: 0-d float32 zero (any device): each device gets a copy of it.
+        found_inf: 0-d float32 (any device): each device gets a copy of it; None: a zero made
+            on each device.
 
     Returns:
         ``{device: found_inf}``, each a 0-d float32 tensor on that device, 1.0 if any gradient on
@@ -235,8 +236,11 @@ def unscale_and_check(
     flags: dict[torch.device, torch.Tensor] = {}
     with torch.no_grad():
         for device, per_dtype in buckets.items():
-            flag = to_device(found_inf, device, copy=True)
-            inv = to_device(inv_scale, device)
+            if found_inf is None:
+                flag = torch.zeros((), dtype=torch.float32, device=device)
+            else:
+                flag = to_device(found_inf, device, copy=True)
+            inv = inv_scale if inv_scale.device == device else to_device(inv_scale, device)
             for grads in per_dtype.values():
                 torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv)
             flags[device] = flag
@@ -252,3 +256,50 @@ def combine_flags(flags: Mapping[torch.device, torch.Tensor], home: torch.device
     for flag in flags.values():
         local = torch.maximum(local, to_device(flag, home))
     return local
+
+
+def inv_scale(scale: torch.Tensor) -> torch.Tensor:
+    """``1 / scale`` as torch's ``GradScaler`` computes it (in float64, then float32: a float32
+    division can be imprecise), in float32 where the device has no float64 (MPS)."""
+    if scale.device.type == "mps":
+        return scale.reciprocal()
+    return scale.double().reciprocal().float()
+
+
+def first_tensor(outputs: object) -> torch.Tensor:
+    """Validate a scale() argument and return its first tensor."""
+    first: list[torch.Tensor] = []
+
+    def visit(val: object, depth: int) -> None:
+        if isinstance(val, torch.Tensor):
+            if not (val.is_floating_point() or val.is_complex()):
+                raise TypeError(
+                    f"scale() takes floating-point tensors (a loss); got dtype {val.dtype}."
+                )
+            if val.device.type == "meta":
+                raise ValueError(
+                    "scale() got a tensor on the meta device (no data); compute the loss with a "
+                    "materialized model (module.to_empty(device=...) and initialize it first)."
+                )
+            first.append(val)
+        elif isinstance(val, (list, tuple)) and depth < 64:
+            for v in val:
+                visit(v, depth + 1)
+        else:
+            raise TypeError(
+                f"scale() takes a tensor or a (nested) list/tuple of tensors; got {type(val).__name__}."
+            )
+
+    visit(outputs, 0)
+    if not first:
+        raise TypeError("scale() got a list/tuple with no tensor in it.")
+    return first[0]
+
+
+def times(outputs: Any, scale: torch.Tensor) -> Any:
+    """``outputs`` (a tensor, or nested lists/tuples of them, validated by
+    :func:`first_tensor`) multiplied by the 0-d ``scale``, each on its own device."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs * to_device(scale, outputs.device)
+    items = [times(v, scale) for v in outputs]
+    return type(outputs)(*items) if hasattr(outputs, "_fields") else type(outputs)(items)

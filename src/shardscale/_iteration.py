@@ -4,7 +4,12 @@ what the last ``update()`` closed.
 Each optimizer's record is torch's (``GradScaler._per_optimizer_states[id(opt)]``: ``"stage"``,
 an ``OptState``, and ``"found_inf_per_device"``, ``{device: 0-d float32 flag}``), so frameworks
 and ``grad_scaler=`` optimizers that read or write it see the truth; shardscale adds
-``"optimizer"`` (a weak reference) and ``"grad_scale"`` (what a fused kernel divides by).
+``"optimizer"`` (a weak reference), ``"grad_scale"`` (what a fused kernel divides by) and
+``"scaled"`` (0-d bool from the agreement: whether any rank called ``scale()``).
+
+The record changes only through its methods, each named for what happened: :meth:`scaled`,
+:meth:`checked`, :meth:`clipped_params`, :meth:`stepped`, :meth:`abandon`, :meth:`close`.
+Whether an iteration counts is :meth:`counts`.
 """
 
 from __future__ import annotations
@@ -56,105 +61,152 @@ class LastStep:
 
 @dataclasses.dataclass
 class Iteration:
-    """The scaler's bookkeeping between updates. Plain attributes; no tensor is read here.
+    """The scaler's bookkeeping between updates. Plain attributes, written by the methods
+    only; no tensor is read here except by :meth:`counts` on an idle rank.
 
     Attributes:
         states: torch's per-optimizer records, by ``id(optimizer)``.
         pre_unscaled: ``id(param) -> agreed flag`` for gradients ``clip_grad_norm_(params)``
             unscaled this iteration (their optimizer leaves them alone).
-        skipped: ``id(optimizer) -> 0-d bool``: whether its last step was skipped.
+        skipped: ``id(optimizer) -> bool`` (read on the host) or 0-d bool tensor (a fused
+            step's, on the device): whether its last step was skipped.
         last: the iteration the last ``update()`` closed.
-        host_overflow: a step of this iteration read an overflow on the host.
-        unread_steps: fused steps ran whose flags the host never read (since the last poll).
-        updates_since_poll: ``update()`` calls since the alarm was last read.
-        scaled: ``scale()`` was called in this iteration (on this rank).
+        read_overflow: a step of this iteration read an overflow on the host.
+        blind: a step of this iteration whose flag the host did not read (a fused one).
+        scaled_here: ``scale()`` was called in this iteration (on this rank).
         ever_scaled: ``scale()`` was called in an iteration closed since the scaler was made
             or loaded.
         stale: gradients were checked in this iteration without ``scale()`` in it, after one
             since the scaler was made or loaded: scaled gradients stepped after an
             ``update()`` (an ``update()`` after each optimizer), which count, unlike checkpoint
             plumbing's zero gradients right after a load or an iteration without gradients.
-        last_scaled: whether it was in the iteration the last ``update()`` closed (None: no
-            update since the scaler was made or loaded).
+        last_scaled: whether ``scale()`` was in the iteration the last ``update()`` closed
+            (None: no update since the scaler was made or loaded).
         checks: the agreements made in this iteration (the next one's ordinal).
-        last_checks: the agreements made in the iteration the last ``update()`` closed.
-        blind: a step of this iteration whose flag the host did not read (a fused one).
-        floor: a lower bound of the scale known to the host without reading it (it can only
-            back off by ``backoff_factor`` per update the host did not see clean).
-        steps_since_update: steps since the last eager ``update()`` (a compiled loop's count).
-        calls: the scaler calls of the last iteration, in order, with their arguments
-            (``(name, args)``: from the first unscale/clip/step after an ``update()`` to the
-            calls after the next one): what a rank that joined (``Join``) repeats.
-        calls_closed: ``update()`` (or ``abandon()``) is in ``calls``: the next unscale/clip/
-            step starts a new list.
     """
 
     states: dict[int, dict[str, Any]] = dataclasses.field(
         default_factory=lambda: defaultdict(fresh_state)
     )
     pre_unscaled: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
-    skipped: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    skipped: dict[int, Any] = dataclasses.field(default_factory=dict)
     last: LastStep | None = None
-    host_overflow: bool = False
-    unread_steps: bool = False
-    updates_since_poll: int = 0
-    scaled: bool = False
-    last_scaled: bool | None = None
+    read_overflow: bool = False
+    blind: bool = False
+    scaled_here: bool = False
     ever_scaled: bool = False
     stale: bool = False
+    last_scaled: bool | None = None
     checks: int = 0
-    last_checks: int = 0
-    blind: bool = False
-    floor: float = 1.0
-    steps_since_update: int = 0
-    calls: list[tuple[str, tuple[Any, ...]]] = dataclasses.field(default_factory=list)
-    calls_closed: bool = False
 
-    def counts(self) -> bool:
-        """This rank's vote that the iteration counts: its gradients were scaled (``scale()``
-        in this iteration, or :attr:`stale` ones)."""
-        return self.scaled or self.stale
-
-    def saw_gradients(self) -> None:
-        """Gradients were checked: stale ones if ``scale()`` was not called since the update."""
-        if not self.scaled and self.ever_scaled:
-            self.stale = True
-
-    def note_call(self, name: str, args: tuple[Any, ...]) -> None:
-        """Append a scaler call to :attr:`calls` (a new list at the first unscale/clip/step
-        after an ``update()``)."""
-        if self.calls_closed and name in ("unscale_", "clip_grad_norm_", "step"):
-            self.calls, self.calls_closed = [], False
-        self.calls.append((name, args))
-        if name in ("update", "abandon"):
-            self.calls_closed = True
+    # ------------------------------------------------------------- what happened
+    def scaled(self) -> None:
+        """``scale()`` was called."""
+        self.scaled_here = True
 
     def record(self, optimizer: Any) -> dict[str, Any]:
         """``optimizer``'s record, created READY if new (inserted explicitly: ``torch.compile``
         loses a defaultdict's own insert)."""
         state = self.states.get(id(optimizer))
         if state is None:
-            state = self.states[id(optimizer)] = fresh_state()
+            state = self.states[id(optimizer)] = {"stage": OptState.READY, "found_inf_per_device": {}}
         return state
 
-    def checked(self, optimizer: Any, flag: torch.Tensor) -> dict[str, Any]:
-        """Record ``optimizer``'s agreed ``flag`` (0-d float32 on the scale's device)."""
-        state = self.record(optimizer)
+    def saw_gradients(self) -> bool:
+        """Gradients were checked. Returns whether they are stale ones: no ``scale()`` since the
+        last ``update()`` though there was one in the iteration it closed (warn the user)."""
+        if not self.scaled_here and self.ever_scaled:
+            self.stale = True
+        return bool(not self.scaled_here and self.last_scaled)
+
+    def checked(
+        self,
+        optimizer: Any,
+        state: dict[str, Any],
+        flag: torch.Tensor,
+        anyone_scaled: torch.Tensor | None,
+        unscaled: bool,
+    ) -> dict[str, Any]:
+        """``optimizer``'s gradients (``state``: its record) were checked, and ``unscaled``
+        (``unscale_``, a clip) or not (a fused step's check): its agreed ``flag`` (0-d float32
+        on the scale's device) and, from the agreement, whether any rank scaled (0-d bool)."""
+        self.checks += 1
         state["found_inf_per_device"] = {flag.device: flag}
         state["optimizer"] = weakref.ref(optimizer)
+        if anyone_scaled is not None:
+            state["scaled"] = anyone_scaled
+        if unscaled:
+            state["stage"] = OptState.UNSCALED
         return state
 
-    def forget_if_untouched(self, optimizer: Any) -> None:
-        """A failed call does not start an iteration for ``optimizer``."""
+    def clipped_params(self, params: list[Any], flag: torch.Tensor) -> None:
+        """``clip_grad_norm_(params)`` unscaled ``params``' gradients, with the agreed ``flag``."""
+        for q in params:
+            self.pre_unscaled[id(q)] = flag
+
+    def stepped(self, optimizer: Any, state: dict[str, Any], skipped: Any) -> None:
+        """``optimizer`` was stepped (or its step skipped): ``skipped`` is a bool the host read,
+        or a 0-d bool tensor it did not (a fused step)."""
+        state["stage"] = OptState.STEPPED
+        self.skipped[id(optimizer)] = skipped
+        if isinstance(skipped, bool):
+            self.read_overflow = self.read_overflow or skipped
+        else:
+            self.blind = True
+
+    def failed(self, optimizer: Any) -> None:
+        """A call failed: it does not start an iteration for ``optimizer``."""
         state = self.states.get(id(optimizer))
         if state is not None and state["stage"] is OptState.READY:
             if not state["found_inf_per_device"]:
                 del self.states[id(optimizer)]
 
+    def abandon(self) -> None:
+        """The iteration ends without an update: its records are cleared."""
+        self.states = defaultdict(fresh_state)
+        self.pre_unscaled = {}
+        self.ever_scaled, self.stale = self.ever_scaled or self.scaled_here, False
+        self.last_scaled, self.scaled_here, self.blind = self.scaled_here, False, False
+        self.read_overflow = False
+        self.checks = 0
+
+    def close(self, home: torch.device) -> tuple[torch.Tensor | None, list[weakref.ref], bool]:
+        """``update()``: the sum of the iteration's flags on ``home`` (None if nothing was
+        checked), its optimizers, and whether the sum is one flag (0 or 1); the records are
+        cleared for the next one. No host read."""
+        flags, refs = self.inf_checks()
+        found_inf = None
+        if flags:
+            found_inf = to_device(flags[0], home)
+            for flag in flags[1:]:
+                found_inf = found_inf + to_device(flag, home)
+        self.abandon()
+        return found_inf, refs, len(flags) == 1
+
+    def loaded(self) -> None:
+        """A checkpoint was loaded: a step before the next ``scale()`` is checkpoint plumbing."""
+        self.last_scaled = None
+        self.ever_scaled = False
+
+    # -------------------------------------------------------------------- queries
+    def vote(self) -> bool:
+        """This rank's vote that the iteration counts: its gradients were scaled (``scale()``
+        in this iteration, or :attr:`stale` ones)."""
+        return self.scaled_here or self.stale
+
+    def counts(self) -> bool:
+        """Whether the iteration counts: this rank's :meth:`vote`, or another rank's, as the
+        iteration's agreements say (one host read, on idle ranks only). An iteration no rank
+        scaled (checkpoint plumbing's zero-gradient step right after a load) changes nothing."""
+        if self.vote():
+            return True
+        seen = [s["scaled"] for s in self.states.values() if "scaled" in s]
+        return bool(torch.stack(seen).any()) if seen else False
+
     def seen_clean(self) -> bool:
         """Whether the host read every flag of this iteration (non-fused steps) and none was
         set: the scale cannot have backed off."""
-        return not (self.blind or self.host_overflow or self.pre_unscaled) and all(
+        return not (self.blind or self.read_overflow or self.pre_unscaled) and all(
             s["stage"] is OptState.STEPPED
             for s in self.states.values()
             if s["found_inf_per_device"]
@@ -172,6 +224,17 @@ class Iteration:
         pre = self.pre_unscaled
         return [pre[id(p)] for p in iter_params(optimizer) if id(p) in pre] if pre else []
 
+    def stages_of(self, params: list[Any]) -> dict[int, OptState]:
+        """``id(param) -> stage`` for those of ``params`` whose gradients are not READY: unscaled
+        by a clip of parameters, or owned by an optimizer unscaled or stepped."""
+        ids = {id(q) for q in params}
+        stages = {i: OptState.UNSCALED for i in ids & self.pre_unscaled.keys()}
+        for state in self.states.values():
+            opt = state["optimizer"]() if "optimizer" in state else None
+            if state["stage"] is not OptState.READY and opt is not None:
+                stages.update((id(q), state["stage"]) for q in iter_params(opt) if id(q) in ids)
+        return stages
+
     def inf_checks(self) -> tuple[list[torch.Tensor], list[weakref.ref]]:
         """The iteration's inf checks: every recorded flag, and the optimizers they belong to.
         When only ``clip_grad_norm_(params)`` ran, its flags (as torch's update after
@@ -182,27 +245,10 @@ class Iteration:
             flags = list({id(f): f for f in self.pre_unscaled.values()}.values())
         return flags, [s["optimizer"] for s in live if "optimizer" in s]
 
-    def others_scaled(self) -> list[torch.Tensor]:
-        """0-d bools from this iteration's collectives (multi-rank only): whether any rank
-        called ``scale()``."""
-        return [s["scaled"] for s in self.states.values() if "scaled" in s]
-
-    def close(self, home: torch.device) -> tuple[torch.Tensor | None, list[weakref.ref]]:
-        """End the iteration: the sum of its flags on ``home`` (None if nothing was checked)
-        and its optimizers; the records are cleared for the next one. No host read."""
-        flags, refs = self.inf_checks()
-        found_inf = None
-        if flags:
-            found_inf = to_device(flags[0], home)
-            for flag in flags[1:]:
-                found_inf = found_inf + to_device(flag, home)
-        self.abandon()
-        return found_inf, refs
-
-    def abandon(self) -> None:
-        """Clear this iteration's records (``close`` without the sum)."""
-        self.states = defaultdict(fresh_state)
-        self.pre_unscaled = {}
-        self.ever_scaled, self.stale = self.ever_scaled or self.scaled, False
-        self.last_scaled, self.scaled, self.blind = self.scaled, False, False
-        self.last_checks, self.checks = self.checks, 0
+    def skipped_flag(self, optimizer: Any) -> torch.Tensor | None:
+        """Whether ``optimizer``'s last step was skipped, as a 0-d bool tensor (None: never
+        stepped)."""
+        flag = self.skipped.get(id(optimizer))
+        if isinstance(flag, bool):
+            return torch.tensor(flag, device="cpu")
+        return flag

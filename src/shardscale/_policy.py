@@ -35,6 +35,7 @@ hysteresis and the counters are a few tensor operations around it (:func:`step_`
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -98,9 +99,102 @@ class ScaleState:
         return ScaleState(*(t.clone() for t in dataclasses.astuple(self)))
 
 
+@dataclasses.dataclass(frozen=True)
+class Numbers:
+    """The scale state as plain Python numbers (before it is placed on a device, or as read).
+
+    Attributes:
+        scale: the loss scale.
+        growth_tracker, hysteresis_tracker: as :class:`ScaleState`'s.
+        counters: in :data:`COUNTER_NAMES` order.
+    """
+
+    scale: float
+    growth_tracker: int = 0
+    hysteresis_tracker: int = 1
+    counters: tuple[int, ...] = (0,) * len(COUNTER_NAMES)
+
+    def as_dict(self) -> dict[str, float | int]:
+        out: dict[str, float | int] = {"scale": self.scale}
+        out.update(growth_tracker=self.growth_tracker, hysteresis_tracker=self.hysteresis_tracker)
+        out.update(zip(COUNTER_NAMES, self.counters, strict=True))
+        return out
+
+
+class LossScale:
+    """The scaler's scale state, one object: :class:`Numbers` until it is placed on a device
+    (lazily, on the first loss scaled), then :class:`ScaleState` tensors there, updated in place
+    (whoever holds them, a fused optimizer or a CUDA graph, sees the new values).
+
+    Attributes:
+        numbers: the state to create when placed (the initial or loaded one).
+        tensors: the state on its device, or None before it is placed.
+        unit: a 0-d float32 1.0 on that device (the plain update's constant).
+    """
+
+    def __init__(self, numbers: Numbers) -> None:
+        self.numbers = numbers
+        self.tensors: ScaleState | None = None
+        self.unit: torch.Tensor | None = None
+
+    def place(self, device: torch.device) -> ScaleState:
+        """The tensors, created on ``device`` if they do not exist (else where they are)."""
+        if self.tensors is None:
+            n = self.numbers
+            self.tensors = ScaleState.create(
+                device, n.scale, n.growth_tracker, n.hysteresis_tracker, n.counters
+            )
+            self.unit = torch.ones((), dtype=torch.float32, device=device)
+        return self.tensors
+
+    def move(self, device: torch.device) -> None:
+        """Move the tensors to ``device`` (new tensors there)."""
+        if self.tensors is not None and self.tensors.scale.device != device:
+            self.tensors = ScaleState(*(t.to(device) for t in dataclasses.astuple(self.tensors)))
+            self.unit = torch.ones((), dtype=torch.float32, device=device)
+
+    def load(self, numbers: Numbers) -> None:
+        """Install ``numbers`` (validated): into the tensors in place when placed. The tensors
+        are built first, so a failure changes nothing."""
+        if self.tensors is not None:
+            n = numbers
+            fresh = ScaleState.create(
+                self.tensors.scale.device,
+                n.scale,
+                n.growth_tracker,
+                n.hysteresis_tracker,
+                n.counters,
+            )
+            self.tensors.copy_from(fresh)
+        self.numbers = numbers
+
+    def cap_growth_tracker(self, last: int) -> None:
+        """Keep the growth tracker at most ``last`` (a shorter growth interval)."""
+        n = self.numbers
+        self.numbers = dataclasses.replace(n, growth_tracker=min(n.growth_tracker, last))
+        if self.tensors is not None:
+            self.tensors.growth_tracker.clamp_(max=min(last, 2**31 - 1))
+
+    def read(self, extra: torch.Tensor | None = None) -> tuple[Numbers, float]:
+        """The state as numbers, and ``extra`` (a 0-d tensor on the state's device, e.g. the
+        last found-inf flag; 0.0 if None): one host read, none before the state is placed."""
+        if self.tensors is None:
+            return self.numbers, 0.0
+        s = self.tensors
+        last = extra if extra is not None else torch.zeros_like(s.scale)
+        parts = [*dataclasses.astuple(s), last.to(s.scale.device)]
+        values = torch.cat([t.double().reshape(-1) for t in parts]).tolist()  # one read
+        counters = tuple(int(v) for v in values[3:-1])
+        return Numbers(float(values[0]), int(values[1]), int(values[2]), counters), values[-1]
+
+
 def step_(
-    state: ScaleState, found_inf: torch.Tensor, config: ScalerConfig
-) -> tuple[torch.Tensor, torch.Tensor]:
+    state: ScaleState,
+    found_inf: torch.Tensor,
+    config: ScalerConfig,
+    unit: torch.Tensor | None = None,
+    binary: bool = False,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Apply one step of the policy to ``state``, in place (tensor ops, no host read).
 
     The growth and backoff are torch's own kernel, ``torch._amp_update_scale_`` (float64
@@ -114,11 +208,18 @@ def step_(
         found_inf: 0-d float32 on ``state.scale.device``: the number of optimizers whose step
             overflowed this iteration (> 0: the step was skipped), agreed across ranks.
         config: the policy.
+        unit: a 0-d float32 1.0 on the state's device, given when the host knows that neither
+            bound can bind and no collapse can happen in this step (:class:`HostBounds`) and
+            :attr:`ScalerConfig.plain`: then the step is torch's kernel and one update of the
+            counters, 6 tensor operations in all (:func:`_plain_step_`).
+        binary: ``found_inf`` is 0 or 1 (one optimizer's agreed flag), not a count.
 
     Returns:
-        ``(collapsed, old_scale)``: 0-d bool (see the module docstring) and a 0-d copy of the
-        scale before the step.
+        ``(collapsed, old_scale)``: 0-d bool (see the module docstring; None when ``unit`` is
+        given: no collapse is possible) and a 0-d copy of the scale before the step.
     """
+    if unit is not None:
+        return None, _plain_step_(state, found_inf, config, unit, binary)
     scale, gt, ht = state.scale, state.growth_tracker, state.hysteresis_tracker
     overflow = found_inf > 0
     old = scale.clone()
@@ -152,6 +253,34 @@ def step_(
     return collapsed, old
 
 
+def _plain_step_(
+    state: ScaleState,
+    found_inf: torch.Tensor,
+    config: ScalerConfig,
+    unit: torch.Tensor,
+    binary: bool,
+) -> torch.Tensor:
+    """:func:`step_` for a plain policy whose bounds cannot bind: torch's kernel, then the six
+    counters in one ``addcmul`` (``counters * keep + increments``; ``keep`` is 0 only for the
+    consecutive skips after a clean step). A backoff is exactly an overflow here."""
+    scale = state.scale
+    old = scale.clone()
+    torch._amp_update_scale_(
+        scale,
+        state.growth_tracker,
+        found_inf,
+        config.growth_factor,
+        config.backoff_factor,
+        config.growth_interval,
+    )
+    over = found_inf if binary else found_inf.clamp(max=1.0)
+    grew = scale > old
+    inc = torch.stack([unit, over, over, found_inf, over, grew])
+    keep = torch.stack([unit, unit, over, unit, unit, unit])
+    torch.addcmul(inc, state.counters, keep, out=state.counters)
+    return old
+
+
 def next_state(
     state: ScaleState, found_inf: torch.Tensor, config: ScalerConfig
 ) -> tuple[ScaleState, torch.Tensor]:
@@ -181,3 +310,65 @@ def count_(
     )
     counters.add_(inc)
     counters[2].mul_(inc[1])  # consecutive skips: reset by a clean step
+
+
+@dataclasses.dataclass
+class HostBounds:
+    """What the host knows of the loss scale without reading it: ``lo <= scale <= hi``.
+
+    From an exact value (a read, a load, ``update(new_scale)``), each update the host did not
+    see clean may back the scale off by ``backoff_factor`` (``lo`` falls, down to
+    ``min_scale``), and the scale can grow by ``growth_factor`` at most once every
+    ``growth_interval`` updates (``hi`` rises). A scale below 1 has the unscaled gradients
+    checked again (:meth:`below_one`); bounds that cannot bind let the update take the plain
+    path (:meth:`free`).
+
+    Attributes:
+        lo: a lower bound of the scale.
+        exact: the last exactly known scale.
+        since: updates since then.
+        below_one: ``lo < 1``: the scale may be below 1 (1/scale > 1: finite gradients may
+            overflow once unscaled).
+    """
+
+    lo: float
+    exact: float
+    since: int = 0
+    below_one: bool = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.below_one = self.lo < 1.0
+
+    @classmethod
+    def at(cls, value: float) -> HostBounds:
+        """Bounds at an exactly known scale."""
+        return cls(value, value)
+
+    def set_exact(self, value: float) -> None:
+        """The scale is known exactly (read, loaded or set)."""
+        self.lo, self.exact, self.since = value, value, 0
+        self.below_one = value < 1.0
+
+    def hi(self, config: ScalerConfig) -> float:
+        """An upper bound of the scale (growths possible since :attr:`exact`)."""
+        growths = -(-self.since // config.growth_interval)
+        try:
+            return self.exact * config.growth_factor**growths
+        except OverflowError:
+            return math.inf
+
+    def after_update(self, config: ScalerConfig, seen_clean: bool) -> None:
+        """One update happened; ``seen_clean``: the host read every flag of it and none was set."""
+        self.since += 1
+        if config.dynamic and not seen_clean:
+            self.lo = max(self.lo * config.backoff_factor, config.min_scale)
+            self.below_one = self.lo < 1.0
+
+    def free(self, config: ScalerConfig) -> bool:
+        """Whether the next update can neither reach a bound nor collapse, and the policy is
+        :attr:`ScalerConfig.plain`: the update may take the plain path (margins of 2x for the
+        float32 rounding of the products)."""
+        if not config.plain:
+            return False
+        low = self.lo * config.backoff_factor >= 2.0 * config.min_scale
+        return low and self.hi(config) * config.growth_factor * 2.0 <= config.max_scale

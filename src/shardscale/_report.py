@@ -1,6 +1,7 @@
 """Overflow diagnostics: which parameters held inf/NaN gradients, on which rank.
 
-The scan costs one pass over the gradients and is only run on steps that overflowed.
+The scan costs one pass over the gradients and is only run on steps that overflowed;
+:class:`Reporter` scans, gathers over ranks when asked, and caches the last report.
 """
 
 from __future__ import annotations
@@ -12,8 +13,11 @@ from typing import Any
 
 import torch
 
+from . import _sync
 from ._config import ScalerConfig, round_f32
-from ._grads import grad_values
+from ._grads import grad_values, to_device
+from ._iteration import Iteration, LastStep
+from ._policy import ScaleState
 
 
 class ScaleCollapseError(RuntimeError):
@@ -251,3 +255,73 @@ def collapse_error(
         f"Non-finite gradients: {where}. {cause}{look}"
     )
     return ScaleCollapseError(msg, step, scale, OverflowReport(step, scale, tuple(entries)))
+
+
+class Reporter:
+    """The scaler's overflow reports: where the non-finite gradients of the last stepped
+    iteration were, on this rank (:func:`scan_local`) or every rank (a gather), the last one
+    cached until the next ``update()``.
+
+    Attributes:
+        names: how parameters are named (:class:`ParamNames`).
+        cached: ``(all_ranks, report)`` of the last report built, or None.
+    """
+
+    def __init__(self, names: ParamNames) -> None:
+        self.names = names
+        self.cached: tuple[bool, OverflowReport] | None = None
+
+    def forget(self) -> None:
+        """A new iteration was closed: a cached report is out of date."""
+        self.cached = None
+
+    def report(
+        self,
+        it: Iteration,
+        state: ScaleState | None,
+        all_ranks: bool,
+        groups: list[Any],
+        shadowing: bool = False,
+    ) -> OverflowReport | None:
+        """The report of the iteration in progress (what was checked so far) or of the last
+        one ``update()`` closed; None when it was clean (one host read to know).
+
+        Args:
+            it: the scaler's record.
+            state: the scale state (None before it exists: nothing to report).
+            all_ranks: gather every rank's entries over ``groups`` (collective).
+            groups: the scaler's process groups.
+            shadowing: a joined rank (no gradients of its own: it only takes part in the
+                gather).
+        """
+        flags, refs = it.inf_checks()
+        if flags and state is not None:  # mid-iteration: what was checked so far
+            found = sum(to_device(f, state.scale.device) for f in flags)
+            last = LastStep(state.counters, 0, state.scale.clone(), found, refs)
+        elif it.last is not None:
+            last = it.last
+        else:
+            return None
+        if not bool(last.found_inf > 0):  # the one host read
+            return None
+        cached = self.cached
+        if cached is not None and cached[0] == all_ranks and cached[1].step == last.index:
+            return cached[1]
+        return self.build(last, groups if all_ranks else [], shadowing, all_ranks)
+
+    def build(
+        self, last: LastStep, groups: list[Any], shadowing: bool = False, all_ranks: bool = True
+    ) -> OverflowReport:
+        """The report of ``last``, gathered over ``groups`` (none: this rank's), cached."""
+        entries = self.scan(last.live_optimizers(), groups, shadowing)
+        report = OverflowReport(last.index, float(last.scale), tuple(entries))
+        self.cached = (all_ranks, report)
+        return report
+
+    def scan(self, optimizers: list[Any], groups: list[Any], shadowing: bool = False) -> list:
+        """The non-finite gradients of ``optimizers`` on this rank, gathered over ``groups``
+        (an ``all_gather_object`` per group: collective), sorted by rank and name."""
+        entries = [] if shadowing else scan_local(optimizers, self.names, _sync.rank())
+        if groups:
+            entries = _sync.gather_objects(entries, groups)
+        return sorted(entries, key=lambda e: (e.rank, e.name))

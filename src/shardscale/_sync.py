@@ -97,15 +97,21 @@ def _contains(outer: Any, inner: Any) -> bool:
     return set(dist.get_process_group_ranks(inner)) <= set(dist.get_process_group_ranks(outer))
 
 
-def cover(process_group: ProcessGroupLike, meshes: Sequence[Any]) -> list[Any]:
+def cover(process_group: ProcessGroupLike, optimizer: Any) -> list[Any]:
     """The groups to agree over: :func:`resolve_groups` of ``process_group`` plus the
-    dimensions of ``meshes`` (the DeviceMeshes of DTensor parameters) whose ranks no group
+    dimensions of the DeviceMeshes of ``optimizer``'s DTensor parameters whose ranks no group
     contains, since the ranks holding pieces of one parameter (tensor parallelism on a dp x tp
     mesh, with the scaler given the dp group) must take the same skip decision. When that takes
     several groups and a mesh spans every rank, the default group replaces them: one
     all-reduce."""
     groups = resolve_groups(process_group)
-    return _with_mesh_dims(process_group, groups, meshes) if meshes else groups
+    meshes: dict[int, Any] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            mesh = getattr(p, "device_mesh", None) if type(p) is not torch.nn.Parameter else None
+            if mesh is not None:
+                meshes.setdefault(id(mesh), mesh)
+    return _with_mesh_dims(process_group, groups, list(meshes.values())) if meshes else groups
 
 
 @torch.compiler.disable  # DeviceMesh's methods are opaque to torch.compile: kept eager
@@ -208,6 +214,17 @@ def agree(
     return all_reduce(
         torch.cat([torch.stack([found_inf.reshape(()), step32, -step32]), tail]), groups
     )
+
+
+def agreement(
+    found_inf: torch.Tensor, step: torch.Tensor, check: int, scaled: bool, groups: list[Any]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`agree`, read back: ``(flag, anyone_scaled, bad, vector)``: the agreed flag (0-d
+    float32, also set when the ranks disagree), whether any rank called ``scale()`` (0-d bool),
+    whether they disagree (0-d bool, :func:`mismatch`) and the agreement vector."""
+    vector = agree(found_inf, step, check, scaled, groups)
+    bad = mismatch(vector)
+    return torch.maximum(vector[FOUND], bad.float()), vector[SCALED] > 0, bad, vector
 
 
 def poison(

@@ -1,0 +1,154 @@
+"""torch's private protocol: the ``GradScaler`` internals that frameworks, ``grad_scaler=``
+optimizers (apex's fused optimizers) and PyTorch's own tests read and write.
+
+:class:`TorchInternals` is a mixin of :class:`shardscale.ShardedGradScaler`; every attribute
+torch's ``GradScaler.__init__`` sets, and every private method those callers use, is here and
+tells the truth. It reads the scaler's own state: ``_loss_scale`` (a
+:class:`~shardscale._policy.LossScale`), ``_it`` (the :class:`~shardscale._iteration.Iteration`),
+``_config``, ``_device``, ``_calls`` (the Join log) and ``_names``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from ._grads import SharedMemoryGradError, bucket_grads, iter_params, unscale_and_check
+
+
+def is_optimizer(obj: object) -> bool:
+    """Whether ``obj`` looks like a ``torch.optim.Optimizer`` (param groups and a step)."""
+    return hasattr(obj, "param_groups") and callable(getattr(obj, "step", None))
+
+
+def step_kind(optimizer: Any) -> str:
+    """How ``optimizer`` takes the scale (as torch's ``GradScaler.step``): ``"plain"`` (the
+    scaler unscales and decides), ``"fused"`` (``_step_supports_amp_scaling``: it gets
+    ``grad_scale`` and ``found_inf`` tensors) or ``"grad_scaler"`` (its ``step`` takes
+    ``grad_scaler=`` and unscales itself through these internals)."""
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        return "plain"
+    if "grad_scaler" in inspect.signature(optimizer.step).parameters:
+        return "grad_scaler"
+    return "fused"
+
+
+class TorchInternals:
+    """torch's ``GradScaler`` private state and methods, on shardscale's state."""
+
+    _loss_scale: Any
+    _it: Any
+    _config: Any
+    _device: str
+    _enabled: bool
+    _calls: Any
+    _names: Any
+
+    # the scale state's tensors (None before the first scale(); created by
+    # _lazy_init_scale_growth_tracker)
+    @property
+    def _scale(self) -> torch.Tensor | None:  # type: ignore[override]
+        tensors = self._loss_scale.tensors
+        return None if tensors is None else tensors.scale
+
+    @_scale.setter
+    def _scale(self, value: torch.Tensor | None) -> None:
+        if value is not None:
+            self._lazy_init_scale_growth_tracker(value.device)
+            self._loss_scale.tensors.scale = value
+
+    @property
+    def _growth_tracker(self) -> torch.Tensor | None:  # type: ignore[override]
+        tensors = self._loss_scale.tensors
+        return None if tensors is None else tensors.growth_tracker
+
+    @_growth_tracker.setter
+    def _growth_tracker(self, value: torch.Tensor | None) -> None:
+        if value is not None:
+            self._lazy_init_scale_growth_tracker(value.device)
+            self._loss_scale.tensors.growth_tracker = value
+
+    @property
+    def _init_scale(self) -> float:
+        return self._loss_scale.numbers.scale
+
+    @property
+    def _init_growth_tracker(self) -> int:
+        return self._loss_scale.numbers.growth_tracker
+
+    # torch's attributes for the policy, read and written through the config
+    _growth_factor = property(
+        lambda self: self._config.growth_factor, lambda self, v: self.set_growth_factor(v)
+    )
+    _backoff_factor = property(
+        lambda self: self._config.backoff_factor, lambda self, v: self.set_backoff_factor(v)
+    )
+    _growth_interval = property(
+        lambda self: self._config.growth_interval, lambda self, v: self.set_growth_interval(v)
+    )
+
+    @property
+    def _per_optimizer_states(self) -> dict[int, dict[str, Any]]:
+        """torch's per-optimizer records of this iteration (see :mod:`shardscale._iteration`)."""
+        return self._it.states
+
+    @_per_optimizer_states.setter
+    def _per_optimizer_states(self, value: dict[int, dict[str, Any]]) -> None:
+        self._it.states = value
+
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device | str) -> None:
+        """Create the scale state on ``dev`` (as torch's method; also public in effect, as
+        :meth:`place`). Idempotent: a state that exists already stays where it is."""
+        if self._loss_scale.tensors is None:
+            self._placed(self._loss_scale.place(torch.device(dev)))
+
+    def _placed(self, state: Any) -> None:
+        """The scale state was created or moved (the facade creates its alarm there)."""
+
+    def _get_growth_tracker(self) -> int:
+        if not self._enabled:
+            return 0
+        tracker = self._growth_tracker
+        return self._init_growth_tracker if tracker is None else int(tracker.item())
+
+    def _unscale_grads_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor | None,
+        allow_fp16: bool = True,
+    ) -> dict[torch.device, torch.Tensor]:
+        """torch's local unscale: ``optimizer``'s local gradients times ``inv_scale``, in place;
+        ``{device: found_inf}`` (0-d float32 copies of ``found_inf``, or zeros for None, 1.0
+        where a gradient held inf/NaN). No collective. Gradients ``clip_grad_norm_(params)``
+        unscaled already are left out. ``allow_fp16=False`` refuses fp16 gradients, as torch.
+
+        Raises:
+            SharedMemoryGradError: a gradient whose elements share memory, named, before any
+                write.
+            ValueError: fp16 gradients with ``allow_fp16=False``.
+        """
+        if self._calls.shadowing:  # a joined rank: no gradients of this iteration
+            return {}
+        params = list(iter_params(optimizer))
+        try:
+            buckets = bucket_grads(params, skip=self._it.pre_unscaled)
+        except SharedMemoryGradError as e:
+            raise e.naming(self._names.current(), params) from None
+        if not allow_fp16 and any(torch.float16 in b for b in buckets.values()):
+            raise ValueError("Attempting to unscale FP16 gradients.")
+        return unscale_and_check(buckets, inv_scale, found_inf)
+
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, torch.Tensor]:
+        """torch's check without unscaling: records and returns ``optimizer``'s agreed
+        ``{scale device: found_inf}`` (one all-reduce, as :meth:`unscale_`)."""
+        state = self._begin("_check_inf_per_device", optimizer)
+        return self._check(optimizer, state, unscale=False)["found_inf_per_device"]
+
+    def _begin(self, method: str, optimizer: Any) -> dict[str, Any]:  # the facade's
+        raise NotImplementedError
+
+    def _check(self, optimizer: Any, state: dict[str, Any], unscale: bool) -> dict[str, Any]:
+        raise NotImplementedError
