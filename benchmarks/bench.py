@@ -39,6 +39,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardscale import ShardedGradScaler
 
@@ -431,6 +432,28 @@ class _ReadCounter(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+class _OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched (on an accelerator each is a kernel launch), except those
+    of ``torch.optim`` (the optimizer's own math)."""
+
+    _OPTIM = os.sep + os.path.join("torch", "optim") + os.sep
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        frame = sys._getframe(1)
+        while frame is not None and self._OPTIM not in frame.f_code.co_filename:
+            frame = frame.f_back
+        self.ops += frame is None
+        return func(*args, **(kwargs or {}))
+
+
+#: aten ops per steady-state iteration (scale, step, update; one process, default arguments)
+OPS_TARGET = {"sgd": 15, "adamw_fused": 14}
+
+
 def count_rows(device: torch.device, pg: Any, where: str, expect_collectives: int) -> list[Row]:
     """Host reads and collectives per steady-state iteration (median over ``COUNT_ITERS``
     iterations after 2 warm-up ones; totals in the notes), per scaler, optimizer and path."""
@@ -444,18 +467,22 @@ def count_rows(device: torch.device, pg: Any, where: str, expect_collectives: in
                 path = "scale+clip+step+update" if clip else "scale+step+update"
                 row = Row("counts", f"{name} [{kind}, {path}, {where}]", gs.numel, "fp32")
                 expect = (0 if kind == "adamw_fused" else 1, expect_collectives)
+                max_ops = OPS_TARGET[kind] if not clip and where == "1 process" else None
                 if name == "shardscale":
                     row.target = "reads={} collectives={}".format(*expect)
-                reads, colls, optim = [], [], 0
+                    row.target += f" aten<={max_ops}" if max_ops else ""
+                reads, colls, ops, optim = [], [], [], 0
                 rows.append(row)
                 try:
                     for i in range(2 + COUNT_ITERS):
                         gs.restore()
                         with CommDebugMode() as comm, _ReadCounter() as counter:
-                            cyc.step(clip)
+                            with _OpCounter() as opc:
+                                cyc.step(clip)
                         if i >= 2:
                             reads.append(counter.reads)
                             colls.append(comm.get_total_counts())
+                            ops.append(opc.ops)
                             optim += counter.optimizer
                 except Exception as e:  # e.g. torch's ShardedGradScaler + fused step on CPU
                     row.notes = _error(e)
@@ -464,10 +491,14 @@ def count_rows(device: torch.device, pg: Any, where: str, expect_collectives: in
                 row.counts = dict(zip(("host_reads", "collectives"), per_iter, strict=True))
                 row.counts.update(host_reads_total=sum(reads), collectives_total=sum(colls))
                 row.counts.update(optimizer_reads_total=optim, iterations=COUNT_ITERS)
-                row.notes = "host reads={:g} collectives={:g} per iteration".format(*per_iter)
+                row.counts.update(aten_ops=statistics.median(ops))
+                row.notes = "host reads={:g} collectives={:g} aten ops={:g} per iteration".format(
+                    *per_iter, statistics.median(ops)
+                )
                 row.notes += f" ({sum(reads)} / {sum(colls)} in {COUNT_ITERS}; "
                 row.notes += f"torch.optim reads {optim})"
-                row.met = per_iter == expect if row.target else None
+                ops_met = max_ops is None or statistics.median(ops) <= max_ops
+                row.met = per_iter == expect and ops_met if row.target else None
     return rows
 
 

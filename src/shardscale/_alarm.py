@@ -110,10 +110,10 @@ class Schedule:
     def __init__(self) -> None:
         self.updates, self.unread, self.steps = 0, False, 0
 
-    def step(self) -> bool:
-        """A step ran (one whose flag the host does not read sets :attr:`unread`); returns
-        whether a compiled loop's catch-up read is due (eager ``update()`` calls reset the
-        count)."""
+    def step(self, blind: bool = False) -> bool:
+        """A step ran (``blind``: one whose flag the host does not read); returns whether a
+        compiled loop's catch-up read is due (eager ``update()`` calls reset the count)."""
+        self.unread = self.unread or blind
         self.steps += 1
         if self.steps > POLL_EVERY:
             self.steps = 0

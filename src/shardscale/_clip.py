@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from . import _sync
-from ._grads import check_bucket, local_grads, to_device
+from ._grads import SharedMemoryGradError, check_bucket, local_grads, to_device
 
 try:
     from torch.distributed.tensor import DTensor
@@ -190,16 +190,69 @@ def _is_sharded(param: Any, group: Any, rank_local: bool) -> bool:
     return bool(getattr(param, "_fsdp_flattened", False))  # FSDP1 use_orig_params views
 
 
-def bucket(params: Iterable[Any], group: Any, rank_local: bool) -> Buckets:
+def bucket(params: list[Any], group: Any, rank_local: bool, names: Any = None) -> Buckets:
     """Local gradient values grouped by ``(device, dtype, sharded)``, validated (sparse
-    gradients coalesced: their values count) before anything is written."""
+    gradients coalesced: their values count) before anything is written.
+
+    Raises:
+        SharedMemoryGradError: a gradient whose elements share memory, named from ``names``
+            (:class:`~shardscale._report.ParamNames`) or by its position.
+    """
     buckets: Buckets = {}
-    for param, values in local_grads(params, coalesce_all=True):
+    try:
+        grads = local_grads(params, coalesce_all=True)
+    except SharedMemoryGradError as e:
+        raise e.naming(names.current() if names is not None else {}, params) from None
+    for param, values in grads:
         key = (values.device, values.dtype, _is_sharded(param, group, rank_local))
         buckets.setdefault(key, []).append(values)
     for device, dtype, _ in buckets:
         check_bucket(device, dtype)
     return buckets
+
+
+_REFUSED = {
+    "optimizer after params": (
+        "clip_grad_norm_(optimizer) was called after clip_grad_norm_(params) on some of its "
+        "parameters in this iteration; clip either the optimizer or parameter lists, once per "
+        "parameter per iteration."
+    ),
+    "after step": (
+        "clip_grad_norm_() was called after step() on this optimizer in this iteration; clip "
+        "before step(): scaler.scale(loss).backward() -> scaler.clip_grad_norm_(opt, max_norm) "
+        "-> scaler.step(opt) -> scaler.update()."
+    ),
+    "params after step": (
+        "clip_grad_norm_(params) was called after step() of an optimizer that owns these "
+        "parameters; clip before: scaler.scale(loss).backward() -> "
+        "scaler.clip_grad_norm_(params, max_norm) -> scaler.step(opt)."
+    ),
+    "mixed": (
+        "clip_grad_norm_(params) mixes parameters whose gradients are unscaled already (by "
+        "unscale_() or an earlier clip) with others still scaled; clip each set on its own."
+    ),
+}
+
+
+def refused(case: str) -> RuntimeError:
+    """The error for a clip in the wrong place of the iteration (``case`` in ``_REFUSED``)."""
+    return RuntimeError(_REFUSED[case])
+
+
+def unscaled_already(stages: dict[int, Any], params: list[Any]) -> bool:
+    """Whether ``params`` (``stages``: ``id -> OptState`` of those not READY) all have unscaled
+    gradients already (clip them as they are) rather than none.
+
+    Raises:
+        RuntimeError: some are stepped, or unscaled ones are mixed with scaled ones.
+    """
+    if any(stage.name == "STEPPED" for stage in stages.values()):
+        raise refused("params after step")
+    if stages and len(stages) == len({id(q) for q in params}):
+        return True
+    if stages:
+        raise refused("mixed")
+    return False
 
 
 #: Elements per piece when fp16 gradients are normed in fp32: torch's kernels may convert each

@@ -259,3 +259,38 @@ def settings(
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {flag!r}.")
     return Settings(device_type, bool(enabled), config, init, report_overflows, rank_local_params)
+
+
+def check_new_scale(new_scale: object, config: ScalerConfig) -> float:
+    """``update(new_scale)``'s value: a float, or a 1-element float tensor (read once), finite
+    and inside ``config``'s bounds. Raises TypeError/ValueError naming the fix."""
+    if isinstance(new_scale, torch.Tensor):
+        if (
+            new_scale.numel() != 1
+            or new_scale.device.type == "meta"
+            or new_scale.requires_grad
+            or not new_scale.is_floating_point()
+        ):
+            raise ValueError(
+                "new_scale must be a float or a 1-element floating-point tensor with "
+                f"requires_grad=False, not on the meta device; got shape "
+                f"{tuple(new_scale.shape)}, dtype {new_scale.dtype}, device "
+                f"{new_scale.device}, requires_grad={new_scale.requires_grad}."
+            )
+        new_scale = float(new_scale.item())
+    return check_scale("new_scale", new_scale, config.min_scale, config.max_scale)
+
+
+def check_device(device: object) -> torch.device:
+    """A ``str`` or ``torch.device`` naming a device with data.
+
+    Raises:
+        TypeError: not a str or ``torch.device``.
+        ValueError: the meta device.
+    """
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}.")
+    device = torch.device(device)
+    if device.type == "meta":
+        raise ValueError("place() needs a device with data, got the meta device.")
+    return device

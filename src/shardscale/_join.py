@@ -96,3 +96,50 @@ def idle_iteration(
     if bool(agreed[_sync.SCALED] > 0):
         collapsed, old = step_(state, agreed[_sync.FOUND], config)
         alarm.note_collapse(collapsed, state.counters[0], old)
+
+
+class JoinableScaler:
+    """The scaler's ``Joinable`` side (a mixin of :class:`shardscale.ShardedGradScaler`): its
+    hook, device and process group, and one shadowed iteration. Reads the scaler's
+    ``process_group``, ``_loss_scale``, ``_device``, ``_calls``, ``_config`` and ``_alarm``."""
+
+    process_group: Any
+    _loss_scale: Any
+    _device: str
+    _calls: CallLog
+    _config: ScalerConfig
+    _alarm: Any
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """For ``torch.distributed.algorithms.Join([ddp_model, scaler])`` (uneven inputs).
+
+        A rank that ran out of data repeats, once per iteration of the others, the scaler calls
+        of its own last iteration with no gradients of its own (see :mod:`shardscale._join`):
+        it takes part in every collective of the others, never steps an optimizer, and
+        applies the agreed update, so every rank keeps the same scale and raises a collapse
+        together. The ranks must run the same scaler calls in every iteration (one optimizer
+        step per forward: no gradient accumulation inside a Join). List the model first (its
+        hook shadows the forward and backward collectives, which come first); the scaler listed
+        first raises a ``RuntimeError`` at its first collective."""
+        return ScalerJoinHook(self._shadow_iteration)
+
+    @property
+    def join_device(self) -> torch.device:
+        groups = _sync.resolve_groups(self.process_group)
+        tensors = self._loss_scale.tensors
+        home = tensors.scale.device if tensors is not None else torch.device(self._device)
+        return _sync.comm_device(groups[0], home) if groups else home
+
+    @property
+    def join_process_group(self) -> Any:
+        groups = _sync.resolve_groups(self.process_group)
+        return groups[0] if groups else None
+
+    def _shadow_iteration(self) -> None:
+        self._lazy_init_scale_growth_tracker(self._device)
+        if self._calls.calls:
+            self._calls.replay(lambda name, args: getattr(self, name)(*args))
+        else:
+            groups = _sync.resolve_groups(self.process_group)
+            idle_iteration(self._loss_scale.tensors, self._config, self._alarm, groups)
+

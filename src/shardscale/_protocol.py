@@ -147,6 +147,44 @@ class TorchInternals:
         state = self._begin("_check_inf_per_device", optimizer)
         return self._check(optimizer, state, unscale=False)["found_inf_per_device"]
 
+    # torch's public getters and setters
+    def get_scale(self) -> float:
+        """The current scale as a Python float (1.0 if disabled). One host read."""
+        if not self._enabled:
+            return 1.0
+        scale = self._scale
+        return self._init_scale if scale is None else float(scale.item())
+
+    def get_growth_factor(self) -> float:
+        """The growth factor (a Python float)."""
+        return self._config.growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """Set the growth factor (> 1). Raises TypeError/ValueError, leaving it unchanged."""
+        self._config = self._config.with_growth_factor(new_factor)
+
+    def get_backoff_factor(self) -> float:
+        """The backoff factor (a Python float)."""
+        return self._config.backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """Set the backoff factor (in (0, 1)). Raises TypeError/ValueError, leaving it unchanged."""
+        self._config = self._config.with_backoff_factor(new_factor)
+
+    def get_growth_interval(self) -> int:
+        """The growth interval (a Python int)."""
+        return self._config.growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """Set the growth interval (int >= 1). Raises TypeError/ValueError, leaving it unchanged.
+        Clean steps beyond the new interval: the next clean step grows (the rule's >=)."""
+        self._config = self._config.with_growth_interval(new_interval)
+        self._loss_scale.cap_growth_tracker(self._config.growth_interval - 1)
+
+    def is_enabled(self) -> bool:
+        """Whether scaling is enabled."""
+        return self._enabled
+
     def _begin(self, method: str, optimizer: Any) -> dict[str, Any]:  # the facade's
         raise NotImplementedError
 

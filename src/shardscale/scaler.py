@@ -17,11 +17,11 @@ from typing import Any, overload
 
 import torch
 from torch.amp.grad_scaler import OptState
-from torch.distributed.algorithms.join import Joinable, JoinHook
+from torch.distributed.algorithms.join import Joinable
 
-from . import _checkpoint, _clip, _grads, _join, _sync
+from . import _checkpoint, _clip, _grads, _join, _stepping, _sync
 from ._alarm import POLL_EVERY, Alarm, Schedule
-from ._config import ScalerConfig, check_scale, settings
+from ._config import ScalerConfig, check_device, check_new_scale, settings
 from ._iteration import Iteration, LastStep
 from ._policy import HostBounds, LossScale, Numbers, count_, step_
 from ._protocol import TorchInternals, is_optimizer, step_kind
@@ -41,7 +41,9 @@ _ORDER = (
 __all__ = ["ShardedGradScaler", "OptState", "POLL_EVERY"]
 
 
-class ShardedGradScaler(TorchInternals, _checkpoint.Picklable, torch.amp.GradScaler, Joinable):
+class ShardedGradScaler(
+    TorchInternals, _checkpoint.Picklable, _join.JoinableScaler, torch.amp.GradScaler, Joinable
+):
     """Dynamic loss scaling for fp16/bf16 training, correct across shards and ranks.
 
     A ``torch.amp.GradScaler`` by type and by protocol (public API, ``state_dict`` keys, the
@@ -61,13 +63,9 @@ class ShardedGradScaler(TorchInternals, _checkpoint.Picklable, torch.amp.GradSca
       :meth:`last_step_skipped`, :meth:`overflow_report`, :meth:`clip_grad_norm_` (one read
       pass, one all-reduce).
 
-    Host reads: ``scale``, ``unscale_`` and ``clip_grad_norm_`` make none; ``step`` one per
-    non-fused optimizer (to decide whether to call ``optimizer.step()``), none for fused
-    optimizers (``Adam/AdamW/SGD(fused=True)``), which receive ``grad_scale``/``found_inf``
-    tensors; ``update`` none, except one read of the alarm (the collapse guard and the
-    rank-agreement check, a few floats written on the device) after a step read an overflow,
-    and every ``POLL_EVERY`` (16) updates while fused steps run (their flags are never read).
-    ``scale``, ``update`` and a whole train step compile with ``torch.compile``.
+    Host reads: one per non-fused ``step`` (does it step?), none with fused optimizers, and a
+    read of the alarm (collapse guard, rank agreement) after a step read an overflow and every
+    ``POLL_EVERY`` (16) updates of fused steps. Costs per call: ``docs/compile.md``.
 
     .. note:: fp16 gradients unscaled in place lose values below fp16's range; a fused
        optimizer without ``unscale_`` unscales in its fp32 math and keeps them. Otherwise reduce
@@ -230,41 +228,39 @@ class ShardedGradScaler(TorchInternals, _checkpoint.Picklable, torch.amp.GradSca
 
     def _check(self, optimizer: Any, state: dict[str, Any], unscale: bool) -> dict[str, Any]:
         """Local check (and unscale) -> agreement -> record: ``optimizer``'s record with its
-        agreed flag. ONE all-reduce of ``[found_inf, step, -step, k, -k, scaled, error]``
-        (:func:`_sync.agree`): ranks at different steps or checks set the flag (the step is
-        skipped) and the alarm, read by :meth:`update`, raises naming the mismatch. On error
-        the optimizer's iteration is not started."""
-        it, tensors = self._it, self._loss_scale.tensors
+        agreed flag. This rank's flag covers its gradients (checked again unscaled when the
+        scale may be below 1) and those a clip of parameters unscaled. ONE all-reduce of
+        ``[found_inf, step, -step, k, -k, scaled, error]`` (:func:`_sync.agree`): ranks at
+        different steps or checks set the flag (the step is skipped) and the alarm, read by
+        :meth:`update`, raises naming the mismatch. On error the iteration is not started."""
+        it, tensors, unit = self._it, self._loss_scale.tensors, self._loss_scale.unit
+        home = tensors.scale.device
         try:
-            local = self._local_check(optimizer, tensors, unscale)
+            flags = self._unscale_grads_(
+                optimizer, _grads.inv_scale(tensors.scale) if unscale else unit, None
+            )
+            if flags and it.saw_gradients():
+                warnings.warn(_STALE, RuntimeWarning, stacklevel=4)
+            local = _grads.combine_flags(flags, home)
+            if unscale and self._bounds.below_one:  # 1/scale > 1: finite values may overflow
+                local = torch.maximum(
+                    local, _grads.combine_flags(self._unscale_grads_(optimizer, unit, None), home)
+                )
+            for flag in it.pre_unscaled_in(optimizer) if it.pre_unscaled else ():
+                local = torch.maximum(local, flag)  # unscaled by clip_grad_norm_(params)
             anyone = None
             groups = _sync.cover(self.process_group, optimizer)
             if groups:
                 _join.check_order(self._join_config)
                 step = tensors.counters[0]
-                local, anyone, bad, vector = _sync.agreement(local, step, it.checks, it.vote(), groups)
+                local, anyone, bad, vector = _sync.agreement(
+                    local, step, it.checks, it.vote(), groups
+                )
                 self._alarm.note_mismatch(bad, vector, step, it.checks)
         except BaseException:
             it.failed(optimizer)
             raise
         return it.checked(optimizer, state, local, anyone, unscale)
-
-    def _local_check(self, optimizer: Any, tensors: Any, unscale: bool) -> torch.Tensor:
-        """This rank's flag: its gradients checked (times 1/scale when ``unscale``), then again
-        when the scale may be below 1, and the flags of those a clip of parameters unscaled."""
-        inv = _grads.inv_scale(tensors.scale) if unscale else self._loss_scale.unit
-        home = tensors.scale.device
-        flags = self._unscale_grads_(optimizer, inv, None, True)
-        if flags and self._it.saw_gradients():
-            warnings.warn(_STALE, RuntimeWarning, stacklevel=4)
-        local = _grads.combine_flags(flags, home)
-        if unscale and self._bounds.below_one:  # 1/scale > 1: finite gradients may overflow
-            again = self._unscale_grads_(optimizer, self._loss_scale.unit, None, True)
-            local = torch.maximum(local, _grads.combine_flags(again, home))
-        if self._it.pre_unscaled:
-            for flag in self._it.pre_unscaled_in(optimizer):  # unscaled by clip_grad_norm_
-                local = torch.maximum(local, flag)
-        return local
 
     # ------------------------------------------------------------------- step
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -313,18 +309,16 @@ class ShardedGradScaler(TorchInternals, _checkpoint.Picklable, torch.amp.GradSca
         self._calls.note("step", optimizer)
         return retval
 
-    @torch.compiler.disable
+    @torch.compiler.disable  # the host read; the schedule's count would recompile a graph
     def _plain_step(self, optimizer: Any, state: dict[str, Any], args: Any, kwargs: Any) -> Any:
-        """The one host read of a non-fused step (kept out of ``torch.compile`` graphs):
-        ``optimizer.step`` only if no rank overflowed."""
-        if self._schedule.step():
+        if self._schedule.step():  # a compiled loop's catch-up read of the alarm
             self._poll()
-        overflow = bool(sum(f.item() for f in state["found_inf_per_device"].values()))
+        flags = list(state["found_inf_per_device"].values())
+        overflow, retval = _stepping.plain(optimizer, flags, self._calls.shadowing, args, kwargs)
         self._it.stepped(optimizer, state, overflow)
-        return None if overflow or self._calls.shadowing else optimizer.step(*args, **kwargs)
+        return retval
 
     def _fused_step(self, optimizer: Any, state: dict[str, Any], args: Any, kwargs: Any) -> Any:
-        """Hand ``grad_scale`` and the agreed ``found_inf`` to a fused optimizer's kernel."""
         scale = self._loss_scale.tensors.scale
         if state["stage"] is OptState.READY:
             if self._bounds.below_one or self._it.pre_unscaled_in(optimizer):
@@ -334,52 +328,19 @@ class ShardedGradScaler(TorchInternals, _checkpoint.Picklable, torch.amp.GradSca
             else:
                 self._check(optimizer, state, unscale=False)["grad_scale"] = scale
         user = getattr(optimizer, "grad_scale", None)
-        folded = state.get("grad_scale")  # the scale, or clip_grad_norm_'s scale / clip_coef
-        grad_scale = user if folded is None else folded if user is None else folded * user
-        flags = list(state["found_inf_per_device"].values())
-        found_inf = flags[0] if len(flags) == 1 else sum(_grads.to_device(f, scale.device) for f in flags)
+        grad_scale, found_inf = _stepping.fused_inputs(state, user, scale.device)
         self._it.stepped(optimizer, state, found_inf > 0)
-        return self._call_fused(optimizer, grad_scale, found_inf, user, args, kwargs)
-
-    @torch.compiler.disable
-    def _call_fused(
-        self, optimizer: Any, grad_scale: Any, found_inf: Any, user: Any, args: Any, kwargs: Any
-    ) -> Any:
-        """``optimizer.step`` with ``grad_scale``/``found_inf`` set (the user's ``grad_scale``
-        put back after), kept out of ``torch.compile`` graphs with the optimizer's step (which
-        breaks them by itself) and a compiled loop's catch-up read of the alarm."""
-        self._schedule.unread = True
-        if self._schedule.step():
-            self._poll()
-        if self._calls.shadowing:
-            return None
-        optimizer.grad_scale, optimizer.found_inf = grad_scale, found_inf
-        try:
-            return optimizer.step(*args, **kwargs)
-        finally:
-            del optimizer.found_inf
-            if user is None:
-                del optimizer.grad_scale
-            else:
-                optimizer.grad_scale = user
-
-    def _grad_scaler_step(
-        self, optimizer: Any, state: dict[str, Any], args: Any, kwargs: Any
-    ) -> Any:
-        """torch's older protocol: ``optimizer.step(grad_scaler=self)`` unscales itself through
-        the internals (:mod:`shardscale._protocol`)."""
-        warnings.warn(
-            "GradScaler is going to stop passing itself as a keyword argument to the passed "
-            "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
-            "`found_inf: Tensor` to the passed optimizer and let the optimizer use them directly.",
-            FutureWarning,
-            stacklevel=3,
+        shadowing, catch_up = self._calls.shadowing, (self._schedule, self._poll)
+        return _stepping.fused(
+            optimizer, grad_scale, found_inf, user, shadowing, catch_up, *args, **kwargs
         )
+
+    def _grad_scaler_step(self, optimizer: Any, state: dict[str, Any], args: Any, kwargs: Any):
         state["optimizer"] = weakref.ref(optimizer)
         shadowing = self._calls.shadowing
-        retval = None if shadowing else optimizer.step(*args, **{**kwargs, "grad_scaler": self})
-        flags = list(state["found_inf_per_device"].values())
-        skipped = sum(flags) > 0 if flags else torch.tensor(False, device="cpu")
+        retval, skipped = _stepping.with_grad_scaler(
+            optimizer, self, state, shadowing, args, kwargs
+        )
         self._it.stepped(optimizer, state, skipped)
         self._schedule.unread = True
         return retval
@@ -395,11 +356,9 @@ class ShardedGradScaler(TorchInternals, _checkpoint.Picklable, torch.amp.GradSca
         ``new_scale`` (a float, or a 1-element tensor, read once) the scale is set to it and the
         trackers kept, as torch; the iteration is still counted, the collapse guard not run.
 
-        The collapse guard and the rank-agreement check read the alarm on the host when a step
-        of this iteration read an overflow, and every ``POLL_EVERY`` updates while fused steps
-        run (by then long computed: no wait): a collapse raises from that call. Under
-        ``torch.compile`` (``fullgraph=True`` works) nothing is read: the next eager ``update``
-        does it.
+        The alarm (collapse guard, rank agreement) is read after a step read an overflow and
+        every ``POLL_EVERY`` updates of fused steps: a collapse raises from that call. Compiled
+        (``fullgraph=True`` works), nothing is read: the next eager call does it.
 
         Raises:
             RuntimeError: no :meth:`step`/:meth:`unscale_`/``clip_grad_norm_`` since the last
@@ -414,7 +373,9 @@ class ShardedGradScaler(TorchInternals, _checkpoint.Picklable, torch.amp.GradSca
         self._calls.note("update", new_scale)
 
     def _update(self, new_scale: float | torch.Tensor | None) -> None:
-        value = None if new_scale is None else self._check_new_scale(new_scale)  # validate first
+        value = (
+            None if new_scale is None else check_new_scale(new_scale, self._config)
+        )  # validate first
         it = self._it
         if not it.inf_checks()[0] and value is None:
             self._fail(
@@ -478,11 +439,7 @@ class ShardedGradScaler(TorchInternals, _checkpoint.Picklable, torch.amp.GradSca
             TypeError: ``device`` is not a str or ``torch.device``.
             ValueError: the meta device (no data).
         """
-        if not isinstance(device, (str, torch.device)):
-            raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}.")
-        device = torch.device(device)
-        if device.type == "meta":
-            raise ValueError("place() needs a device with data, got the meta device.")
+        device = check_device(device)
         if self._loss_scale.tensors is None:
             self._lazy_init_scale_growth_tracker(device)
         elif self._loss_scale.tensors.scale.device != device:
@@ -514,23 +471,6 @@ class ShardedGradScaler(TorchInternals, _checkpoint.Picklable, torch.amp.GradSca
             _sync.poison(code, steps, self._it.checks, _sync.rank(), groups, tensors.scale.device)
         raise RuntimeError(message)
 
-    def _check_new_scale(self, new_scale: object) -> float:
-        if isinstance(new_scale, torch.Tensor):
-            if (
-                new_scale.numel() != 1
-                or new_scale.device.type == "meta"
-                or new_scale.requires_grad
-                or not new_scale.is_floating_point()
-            ):
-                raise ValueError(
-                    "new_scale must be a float or a 1-element floating-point tensor with "
-                    f"requires_grad=False, not on the meta device; got shape "
-                    f"{tuple(new_scale.shape)}, dtype {new_scale.dtype}, device "
-                    f"{new_scale.device}, requires_grad={new_scale.requires_grad}."
-                )
-            new_scale = float(new_scale.item())
-        return check_scale("new_scale", new_scale, self._config.min_scale, self._config.max_scale)
-
     def _poll(self) -> None:
         """Read the alarm (one host read): raise on a rank mismatch, raise or warn on a collapse
         (every rank polls at the same update, so the report is gathered over the ranks)."""
@@ -549,40 +489,6 @@ class ShardedGradScaler(TorchInternals, _checkpoint.Picklable, torch.amp.GradSca
             raise error
         warnings.warn(str(error), RuntimeWarning, stacklevel=3)
 
-    # ------------------------------------------------------------------ Join
-    def join_hook(self, **kwargs: Any) -> JoinHook:
-        """For ``torch.distributed.algorithms.Join([ddp_model, scaler])`` (uneven inputs).
-
-        A rank that ran out of data repeats, once per iteration of the others, the scaler calls
-        of its own last iteration with no gradients of its own (see :mod:`shardscale._join`):
-        it takes part in every collective of the others, never steps an optimizer, and
-        applies the agreed update, so every rank keeps the same scale and raises a collapse
-        together. The ranks must run the same scaler calls in every iteration (one optimizer
-        step per forward: no gradient accumulation inside a Join). List the model first (its
-        hook shadows the forward and backward collectives, which come first); the scaler listed
-        first raises a ``RuntimeError`` at its first collective."""
-        return _join.ScalerJoinHook(self._shadow_iteration)
-
-    @property
-    def join_device(self) -> torch.device:
-        groups = _sync.resolve_groups(self.process_group)
-        tensors = self._loss_scale.tensors
-        home = tensors.scale.device if tensors is not None else torch.device(self._device)
-        return _sync.comm_device(groups[0], home) if groups else home
-
-    @property
-    def join_process_group(self) -> Any:
-        groups = _sync.resolve_groups(self.process_group)
-        return groups[0] if groups else None
-
-    def _shadow_iteration(self) -> None:
-        self._lazy_init_scale_growth_tracker(self._device)
-        if self._calls.calls:
-            self._calls.replay(lambda name, args: getattr(self, name)(*args))
-        else:
-            groups = _sync.resolve_groups(self.process_group)
-            _join.idle_iteration(self._loss_scale.tensors, self._config, self._alarm, groups)
-
     # ------------------------------------------------------------- clipping
     def clip_grad_norm_(
         self,
@@ -594,20 +500,13 @@ class ShardedGradScaler(TorchInternals, _checkpoint.Picklable, torch.amp.GradSca
     ) -> torch.Tensor:
         """Unscale, compute the global gradient norm across shards and ranks, and clip.
 
-        The same as ``scaler.unscale_(opt)`` then ``torch.nn.utils.clip_grad_norm_(params,
-        max_norm, norm_type)`` on the *unsharded* model, with the found-inf agreement of
-        :meth:`unscale_`, in one read pass, ONE all-reduce of 4 floats (none without a process
-        group) and one write pass (none for a fused optimizer: the factor is folded into its
-        ``grad_scale``). Replicated gradients (plain, DDP, DTensor ``Replicate``, FSDP1
-        ``NO_SHARD`` flat parameters) count once; shards (FSDP2 ``Shard``, FSDP1) are summed.
-        Afterwards the optimizer is UNSCALED with its agreed flag, so :meth:`step` skips (on
-        every rank) or steps. See :mod:`shardscale._clip`.
-
-        After ``scaler.unscale_(optimizer)`` (torch's recipe: unscale, then clip) or a first
-        clip in the same iteration, it clips the gradients as they are, as
-        ``torch.nn.utils.clip_grad_norm_`` would on the unsharded model: one more all-reduce, of
-        the norm only. A disabled scaler (``enabled=False``) does the same: the global norm of
-        unscaled gradients over shards and ranks.
+        ``scaler.unscale_(opt)`` then ``torch.nn.utils.clip_grad_norm_`` on the *unsharded*
+        model, with :meth:`unscale_`'s agreement, in one read pass, ONE all-reduce (none without
+        a group) and one write pass (none for a fused optimizer: folded into its
+        ``grad_scale``). Replicas (plain, DDP, DTensor ``Replicate``, FSDP1 ``NO_SHARD``) count
+        once, shards are summed. The optimizer is then UNSCALED with its agreed flag. After
+        ``unscale_`` (torch's recipe) or a first clip, and when disabled, it clips the gradients
+        as they are (one all-reduce of the norm). See :mod:`shardscale._clip`.
 
         Args:
             optimizer_or_params: the optimizer whose gradients to clip, or a tensor / iterable
@@ -639,17 +538,16 @@ class ShardedGradScaler(TorchInternals, _checkpoint.Picklable, torch.amp.GradSca
             target = _clip.param_list(target)  # a generator is read once
         args = _clip.ClipArgs.check(max_norm, norm_type, error_if_nonfinite, foreach)
         total = self._clip_grad_norm(target, args)
-        self._calls.note("clip_grad_norm_", target, max_norm, norm_type, error_if_nonfinite, foreach)
+        self._calls.note(
+            "clip_grad_norm_", target, max_norm, norm_type, error_if_nonfinite, foreach
+        )
         return total
 
     def _clip_grad_norm(self, target: Any, args: _clip.ClipArgs) -> torch.Tensor:
         is_opt = is_optimizer(target)
         params = list(_grads.iter_params(target)) if is_opt else target
         group = _clip.single_group(_sync.resolve_groups(self.process_group))
-        try:
-            buckets = _clip.bucket(params, group, self.rank_local_params)
-        except _grads.SharedMemoryGradError as e:
-            raise e.naming(self._names.current(), params) from None
+        buckets = _clip.bucket(params, group, self.rank_local_params, self._names)
         if self._calls.shadowing:
             buckets = {}  # a joined rank: no gradients of this iteration
         elif buckets:
@@ -662,21 +560,13 @@ class ShardedGradScaler(TorchInternals, _checkpoint.Picklable, torch.amp.GradSca
             self._lazy_init_scale_growth_tracker(params[0].device if params else self._device)
             return self._clip_params(buckets, params, group, args)
         if any(id(q) in self._it.pre_unscaled for q in params):
-            raise RuntimeError(
-                "clip_grad_norm_(optimizer) was called after clip_grad_norm_(params) on some of "
-                "its parameters in this iteration; clip either the optimizer or parameter lists, "
-                "once per parameter per iteration."
-            )
+            raise _clip.refused("optimizer after params")
         state = self._begin("clip_grad_norm_", target)
         if state["stage"] is OptState.UNSCALED:  # after unscale_(): clip them as they are
             return _clip.clip_unscaled(buckets, args.p, args.max_norm, group, **args.opts)
         if state["stage"] is not OptState.READY:
             self._it.failed(target)
-            raise RuntimeError(
-                "clip_grad_norm_() was called after step() on this optimizer in this iteration; "
-                "clip before step(): scaler.scale(loss).backward() -> "
-                "scaler.clip_grad_norm_(opt, max_norm) -> scaler.step(opt) -> scaler.update()."
-            )
+            raise _clip.refused("after step")
         # a scale below 1 is not folded (the kernel's division could overflow unseen)
         fused = step_kind(target) != "plain" and not self._bounds.below_one
         try:
@@ -698,21 +588,8 @@ class ShardedGradScaler(TorchInternals, _checkpoint.Picklable, torch.amp.GradSca
         )  # fmt: skip
 
     def _clip_params(self, buckets: Any, params: list[Any], group: Any, args: Any) -> Any:
-        stages = self._it.stages_of(params)
-        if OptState.STEPPED in stages.values():
-            raise RuntimeError(
-                "clip_grad_norm_(params) was called after step() of an optimizer that owns these "
-                "parameters; clip before: scaler.scale(loss).backward() -> "
-                "scaler.clip_grad_norm_(params, max_norm) -> scaler.step(opt)."
-            )
-        if stages and len(stages) == len({id(q) for q in params}):  # unscaled already
+        if _clip.unscaled_already(self._it.stages_of(params), params):
             return _clip.clip_unscaled(buckets, args.p, args.max_norm, group, **args.opts)
-        if stages:
-            raise RuntimeError(
-                "clip_grad_norm_(params) mixes parameters whose gradients are unscaled already "
-                "(by unscale_() or an earlier clip) with others still scaled; clip each set on "
-                "its own."
-            )
         total, _, found_inf, _ = self._norm_and_clip(buckets, group, False, args)
         self._it.clipped_params(params, found_inf)
         return total
@@ -783,44 +660,7 @@ class ShardedGradScaler(TorchInternals, _checkpoint.Picklable, torch.amp.GradSca
             self._calls.note("overflow_report", True)
         return report
 
-    # ------------------------------------------------------- getters/setters
-    def get_scale(self) -> float:
-        """The current scale as a Python float (1.0 if disabled). One host read."""
-        if not self._enabled:
-            return 1.0
-        scale = self._scale
-        return self._init_scale if scale is None else float(scale.item())
-
-    def get_growth_factor(self) -> float:
-        """The growth factor (a Python float)."""
-        return self._config.growth_factor
-
-    def set_growth_factor(self, new_factor: float) -> None:
-        """Set the growth factor (> 1). Raises TypeError/ValueError, leaving it unchanged."""
-        self._config = self._config.with_growth_factor(new_factor)
-
-    def get_backoff_factor(self) -> float:
-        """The backoff factor (a Python float)."""
-        return self._config.backoff_factor
-
-    def set_backoff_factor(self, new_factor: float) -> None:
-        """Set the backoff factor (in (0, 1)). Raises TypeError/ValueError, leaving it unchanged."""
-        self._config = self._config.with_backoff_factor(new_factor)
-
-    def get_growth_interval(self) -> int:
-        """The growth interval (a Python int)."""
-        return self._config.growth_interval
-
-    def set_growth_interval(self, new_interval: int) -> None:
-        """Set the growth interval (int >= 1). Raises TypeError/ValueError, leaving it unchanged.
-        Clean steps beyond the new interval: the next clean step grows (the rule's >=)."""
-        self._config = self._config.with_growth_interval(new_interval)
-        self._loss_scale.cap_growth_tracker(self._config.growth_interval - 1)
-
-    def is_enabled(self) -> bool:
-        """Whether scaling is enabled."""
-        return self._enabled
-
+    # torch's getters and setters: in _protocol.TorchInternals
     @property
     def config(self) -> ScalerConfig:
         """The (frozen) policy in force."""

@@ -1,0 +1,90 @@
+"""Taking the step: the decision after the agreement, for each kind of optimizer.
+
+* plain (non-fused): one host read of the agreed flag; ``optimizer.step()`` only if it is 0;
+* fused (``_step_supports_amp_scaling``): ``optimizer.step()`` always, with ``grad_scale`` and
+  ``found_inf`` tensors set on it (the kernel unscales in fp32 and skips): no host read;
+* ``grad_scaler=``: torch's older protocol, the optimizer unscales itself through the scaler's
+  internals.
+
+The optimizer's own ``step`` is kept out of ``torch.compile`` graphs (it breaks them anyway).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ._grads import to_device
+
+
+@torch.compiler.disable
+def plain(optimizer: Any, flags: list[torch.Tensor], shadowing: bool, args: Any, kwargs: Any):
+    """``(overflow, retval)``: the agreed ``flags`` read (one host read), and what
+    ``optimizer.step(*args, **kwargs)`` returned (None when skipped or ``shadowing``)."""
+    overflow = bool(sum(f.item() for f in flags))
+    retval = None if overflow or shadowing else optimizer.step(*args, **kwargs)
+    return overflow, retval
+
+
+def fused_inputs(
+    state: dict[str, Any], user: torch.Tensor | None, home: torch.device
+) -> tuple[Any, torch.Tensor]:
+    """``(grad_scale, found_inf)`` for a fused kernel: the record's ``grad_scale`` (the scale,
+    or a clip's scale / clip_coef; None when the gradients are unscaled already) times the
+    user's own ``grad_scale``, and the record's flags summed on ``home``."""
+    folded = state.get("grad_scale")
+    grad_scale = user if folded is None else folded if user is None else folded * user
+    flags = list(state["found_inf_per_device"].values())
+    found_inf = flags[0] if len(flags) == 1 else sum(to_device(f, home) for f in flags)
+    return grad_scale, found_inf
+
+
+@torch.compiler.disable
+def fused(
+    optimizer: Any,
+    grad_scale: Any,
+    found_inf: Any,
+    user: Any,
+    shadowing: bool,
+    catch_up: tuple[Any, Callable[[], None]],
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    """``optimizer.step`` with ``grad_scale``/``found_inf`` set (the user's ``grad_scale`` put
+    back after); nothing when ``shadowing`` (a joined rank). ``catch_up``: the alarm's
+    ``Schedule`` and its read, for a compiled loop (counted here, out of the graph)."""
+    schedule, poll = catch_up
+    if schedule.step(blind=True):
+        poll()
+    if shadowing:
+        return None
+    optimizer.grad_scale, optimizer.found_inf = grad_scale, found_inf
+    try:
+        return optimizer.step(*args, **kwargs)
+    finally:
+        del optimizer.found_inf
+        if user is None:
+            del optimizer.grad_scale
+        else:
+            optimizer.grad_scale = user
+
+
+def with_grad_scaler(
+    optimizer: Any, scaler: Any, state: dict[str, Any], shadowing: bool, args: Any, kwargs: Any
+) -> tuple[Any, Any]:
+    """``(retval, skipped)`` of ``optimizer.step(..., grad_scaler=scaler)`` (torch's
+    ``FutureWarning`` first); ``skipped`` from the flags it recorded (0-d bool)."""
+    warnings.warn(
+        "GradScaler is going to stop passing itself as a keyword argument to the passed "
+        "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
+        "`found_inf: Tensor` to the passed optimizer and let the optimizer use them directly.",
+        FutureWarning,
+        stacklevel=4,
+    )
+    retval = None if shadowing else optimizer.step(*args, **{**kwargs, "grad_scaler": scaler})
+    flags = list(state["found_inf_per_device"].values())
+    skipped = sum(flags) > 0 if flags else torch.tensor(False, device="cpu")
+    return retval, skipped
