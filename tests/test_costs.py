@@ -10,8 +10,13 @@ every device, so these counts are those of a CUDA run.
 
 from __future__ import annotations
 
+import inspect
+import os
+import sys
+
 import pytest
 import torch
+import torch.utils._python_dispatch
 from _dist import run_ranks
 
 from shardscale import ShardedGradScaler
@@ -166,3 +171,100 @@ def test_unscale_and_clip_allocate_nothing_gradient_sized(dtype, fused):
         scaler.step(opt)
         scaler.update()
         assert largest <= (1 << 20) + 1024, largest
+
+
+class AtenOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts aten ops (on an accelerator each is a kernel launch) outside ``torch.optim``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        frame = sys._getframe(1)
+        while frame is not None and "/torch/optim/" not in frame.f_code.co_filename:
+            frame = frame.f_back
+        if frame is None:
+            self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _steady_iteration(kind: str, **scaler_kw):
+    """(ops of scale, of step, of update) in the 4th iteration of a small model."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    opt = OPTIMIZERS[kind](model.parameters())
+    scaler = ShardedGradScaler("cpu", **scaler_kw)
+    x = torch.randn(4, 8)
+    for _ in range(4):
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        with AtenOps() as a:
+            scaled = scaler.scale(loss)
+        scaled.backward()
+        with AtenOps() as b:
+            scaler.step(opt)
+        with AtenOps() as c:
+            scaler.update()
+    return a.names, b.names, c.names
+
+
+@pytest.mark.parametrize("kind,expected", [("sgd", (1, 6, 6)), ("adamw_fused", (1, 3, 6))])
+def test_an_iteration_dispatches_few_aten_ops(kind, expected):
+    """Default arguments, one process: 13 aten ops per iteration with SGD, 10 with fused AdamW
+    (torch's GradScaler: 10 and 9); update() is torch's kernel and one update of the counters."""
+    scale, step, update = _steady_iteration(kind)
+    assert (len(scale), len(step), len(update)) == expected, (scale, step, update)
+    assert "_amp_update_scale_" in update and "_amp_foreach_non_finite_check_and_unscale_" in step
+
+
+def test_options_off_cost_nothing_and_options_on_run_the_whole_rule():
+    """Bounds at their defaults, hysteresis 1, no skip guard: the 6-op update. Bounds that may
+    bind, hysteresis or a skip guard: the whole rule (more ops, same results elsewhere)."""
+    assert len(_steady_iteration("sgd", min_scale=2.0**-10)[2]) == 6  # far from the bound
+    for kw in ({"hysteresis": 2}, {"max_consecutive_skips": 5}, {"max_scale": 2.0**17}):
+        assert len(_steady_iteration("sgd", **kw)[2]) > 6, kw
+
+
+def _package_calls(fn) -> int:
+    """Calls of shardscale's own functions while ``fn`` runs (a generator once, comprehensions
+    not)."""
+    import shardscale
+
+    root = os.path.dirname(shardscale.__file__)
+    seen: set[int] = set()
+    calls = []
+
+    def profile(frame, event, arg):
+        code = frame.f_code
+        if event != "call" or not code.co_filename.startswith(root):
+            return
+        if code.co_name in ("<listcomp>", "<dictcomp>", "<setcomp>"):
+            return
+        if code.co_flags & inspect.CO_GENERATOR:
+            if id(frame) in seen:
+                return
+            seen.add(id(frame))
+        calls.append(code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return len(calls)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw_fused"])
+def test_step_is_a_short_path(kind):
+    """step() on one process: at most 25 calls of the package's own functions (local check ->
+    agreement -> record -> decide)."""
+    model = torch.nn.Linear(8, 4)
+    opt = OPTIMIZERS[kind](model.parameters())
+    scaler = ShardedGradScaler("cpu")
+    for _ in range(3):
+        opt.zero_grad()
+        scaler.scale(model(torch.randn(2, 8)).sum()).backward()
+        calls = _package_calls(lambda: scaler.step(opt))
+        scaler.update()
+    assert calls <= 25, calls
