@@ -142,9 +142,11 @@ def _costs_two_ranks(rank: int, world_size: int) -> dict:
 
 @pytest.mark.dist
 def test_two_ranks_one_all_reduce_and_the_same_reads(tmp_path):
+    """The first agreement since the scaler was made (or loaded) reads its mismatch bit once
+    (ranks built or restored differently raise there); then the steady state."""
     for result in run_ranks(_costs_two_ranks, tmp_path):
-        assert result["sgd"] == ([1] * 5, [1] * 5)
-        assert result["adam_fused"] == ([0] * 5, [1] * 5)
+        assert result["sgd"] == ([2] + [1] * 4, [1] * 5)
+        assert result["adam_fused"] == ([1] + [0] * 4, [1] * 5)
 
 
 def _largest_allocation(fn) -> int:

@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 
 from ._policy import math_dtype
-from ._sync import ERROR, mismatch_message
+from ._sync import LENGTH, mismatch_message
 
 # slots of the mismatch record: seen, the agreement vector, own step and check
-_SEEN, _AGREED, _OWN_STEP, _OWN_CHECK = 0, 1, ERROR + 2, ERROR + 3
+_SEEN, _AGREED, _OWN_STEP, _OWN_CHECK = 0, 1, LENGTH + 1, LENGTH + 2
 
 
 class Alarm:

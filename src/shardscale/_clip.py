@@ -348,9 +348,8 @@ def global_norm(
         [sharded_part, replicated_part, nonfinite, torch.full_like(nonfinite, scaled)]
     )
     if group is not None:
-        packed = _sync.all_reduce(
-            packed, [group], dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
-        )
+        op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
+        packed = _sync.all_reduce(packed, [group], op, call=("clip_grad_norm_()", None))
     if is_inf:
         total = torch.maximum(packed[0], packed[1])
     else:

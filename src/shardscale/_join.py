@@ -92,7 +92,8 @@ def idle_iteration(
     """A joined rank that never trained: one agreement (no gradients, not scaled) and, when
     another rank scaled, the agreed update."""
     zero = torch.zeros((), dtype=torch.float32, device=state.scale.device)
-    agreed = _sync.agree(zero, state.counters[0], 0, False, groups)
+    policy = _sync.policy_values(config)
+    agreed = _sync.agree(zero, state.counters[0], 0, False, groups, state.scale, policy)
     if bool(agreed[_sync.SCALED] > 0):
         collapsed, old = step_(state, agreed[_sync.FOUND], config)
         alarm.note_collapse(collapsed, state.counters[0], old)

@@ -162,8 +162,21 @@ def comm_device(group: Any, preferred: torch.device) -> torch.device:
     return torch.device(types[0], index)
 
 
+_UNMATCHED = (
+    "ShardedGradScaler: the all-reduce of {call}{step} failed on rank {rank}: "
+    "another rank of the process group did not make the same call in time, or made another "
+    "collective instead. Likely causes: a rank ran out of data (uneven inputs: run the loop "
+    "inside torch.distributed.algorithms.Join([model, scaler])), a rank skipped or added a "
+    "step()/unscale_()/clip_grad_norm_() call, crashed, or was given another process group. "
+    "Every rank must make the same scaler calls in the same order. ({error})"
+)
+
+
 def all_reduce(
-    tensor: torch.Tensor, groups: list[Any], op: dist.ReduceOp.RedOpType = dist.ReduceOp.MAX
+    tensor: torch.Tensor,
+    groups: list[Any],
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.MAX,
+    call: tuple[str, Any] | None = None,
 ) -> torch.Tensor:
     """``tensor`` all-reduced with ``op`` over each of ``groups`` in turn.
 
@@ -171,6 +184,9 @@ def all_reduce(
         tensor: a float tensor (any shape) on the scale's device.
         groups: from :func:`resolve_groups`; empty means no communication.
         op: MAX for found-inf flags, SUM for the parts of a norm.
+        call: ``(the scaler call, its update count as a 0-d tensor)``: a failed collective (a
+            timeout, a peer gone or in another collective) raises a ``RuntimeError`` naming
+            it, the likely causes and the fix.
 
     Returns:
         The reduced tensor on ``tensor``'s device (moved to the device the backend needs and
@@ -180,70 +196,174 @@ def all_reduce(
     for group in groups:
         device = comm_device(group, tensor.device)
         buf = tensor if device == tensor.device else to_device(tensor, device)
-        dist.all_reduce(buf, op=op, group=group)
+        try:
+            dist.all_reduce(buf, op=op, group=group)
+        except RuntimeError as e:
+            if call is None:
+                raise
+            name, step = call
+            raise RuntimeError(
+                _UNMATCHED.format(
+                    call=name,
+                    step="" if step is None else f" (at update {int(step)})",
+                    rank=rank(),
+                    error=e,
+                )
+            ) from e
         tensor = buf if buf is tensor else to_device(buf, tensor.device)
     return tensor
 
 
-#: Slots of the agreement vector (see :func:`agree`).
-FOUND, STEP, NEG_STEP, CHECK, NEG_CHECK, SCALED, ERROR = range(7)
+#: Slots of the agreement vector (see :func:`agree`); :data:`POLICY` pairs follow ``NEG_SCALE``.
+FOUND, STEP, NEG_STEP, CHECK, NEG_CHECK, SCALED, ERROR, SCALE, NEG_SCALE = range(9)
+#: The policy fields compared across ranks (``ScalerConfig`` attribute names), in order.
+POLICY = (
+    "growth_factor",
+    "backoff_factor",
+    "growth_interval",
+    "min_scale",
+    "max_scale",
+    "hysteresis",
+    "consecutive_hysteresis",
+    "dynamic",
+    "max_consecutive_skips",
+    "on_collapse",
+)
+#: Length of the agreement vector.
+LENGTH = NEG_SCALE + 1 + 2 * len(POLICY)
 #: What a rank that fails a call-order check tells the others (:func:`poison`), by code.
 ERRORS = {
     1: "called unscale_()/step() again for an optimizer before update()",
     2: "called update() with no optimizer stepped or unscaled",
     3: "called unscale_() after step() for an optimizer",
 }
+_TAILS: dict[tuple[Any, ...], torch.Tensor] = {}
+
+
+def policy_values(config: Any) -> tuple[float, ...]:
+    """``config``'s :data:`POLICY` fields as floats (None -> -1, ``on_collapse`` "warn" -> 1)."""
+    out = []
+    for name in POLICY:
+        value = getattr(config, name)
+        if name == "on_collapse":
+            value = value == "warn"
+        out.append(-1.0 if value is None else float(value))
+    return tuple(out)
+
+
+def _tail(check: int, scaled: bool, policy: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """``[check, -check, scaled, 0 (error), p1, -p1, ...]`` on ``device``: made once per key
+    (a host-to-device copy the first time only), then reused as it is (read-only)."""
+    key = (check, scaled, policy, device)
+    tail = _TAILS.get(key)
+    if tail is None:
+        if len(_TAILS) > 256:
+            _TAILS.clear()
+        values = [float(check), -float(check), float(scaled), 0.0]
+        values += [v for p in policy for v in (p, -p)]
+        tail = _TAILS[key] = torch.tensor(values, dtype=torch.float32, device=device)
+    return tail
 
 
 def agree(
-    found_inf: torch.Tensor, step: torch.Tensor, check: int, scaled: bool, groups: list[Any]
+    found_inf: torch.Tensor,
+    step: torch.Tensor,
+    check: int,
+    scaled: bool,
+    groups: list[Any],
+    scale: torch.Tensor,
+    policy: tuple[float, ...],
+    error: float = 0.0,
+    call: str = "the scaler",
 ) -> torch.Tensor:
-    """The found-inf agreement: ONE MAX all-reduce (per group) of ``[found_inf, step, -step,
-    check, -check, scaled, error]`` (float32, on ``found_inf``'s device).
+    """The found-inf agreement: ONE MAX all-reduce (per group) of :data:`LENGTH` float32 values
+    on ``found_inf``'s device: ``[found_inf, step, -step, check, -check, scaled, error, scale,
+    -scale]`` and each policy field with its negation.
 
-    ``step`` (0-d: the scaler's update count) and ``check`` (the ordinal of this check within
-    the iteration) ride along, so that ranks which call the scaler differently are told apart
-    from an overflow: after MAX, ``x_max != -(-x)_max`` means the ranks disagree on ``x`` (see
-    :func:`mismatch`); ``scaled`` (whether this rank called ``scale()`` in the iteration) tells
-    an idle rank that others did; ``error`` is 0 (see :func:`poison`).
+    ``step`` (0-d: the scaler's update count), ``check`` (the ordinal of this check within the
+    iteration), ``scale`` (0-d, the loss scale the gradients were computed with) and ``policy``
+    (:func:`policy_values`) ride along, so that ranks which call the scaler differently, hold
+    different scales (one restored a checkpoint) or were built with different arguments are
+    told apart from an overflow: after MAX, ``x_max != -(-x)_max`` means the ranks disagree on
+    ``x`` (:func:`mismatch`); ``scaled`` (whether this rank called ``scale()`` in the iteration)
+    tells an idle rank that others did; ``error`` is 0 but from :func:`poison`. ``call``
+    names the scaler call in the error of a collective that fails (:func:`all_reduce`).
     """
     step32 = (step % 2**24).to(torch.float32).reshape(())
-    # fills, not a copy from the host: a blocking host-to-device copy would wait for the device
-    tail = torch.full((4,), float(check), device=found_inf.device)
-    tail[1], tail[2], tail[3] = -check, float(scaled), 0.0
-    return all_reduce(
-        torch.cat([torch.stack([found_inf.reshape(()), step32, -step32]), tail]), groups
-    )
+    scale32 = scale.to(device=found_inf.device, dtype=torch.float32).reshape(())
+    head = torch.stack([found_inf.reshape(()), step32, -step32])
+    tail = _tail(check, scaled, policy, found_inf.device)
+    if error:
+        tail = tail.clone()
+        tail[ERROR - CHECK] = error
+    middle = torch.stack([scale32, -scale32])
+    vector = torch.cat([head, tail[:4], middle, tail[4:]])
+    return all_reduce(vector, groups, call=(call, step))
 
 
 def agreement(
-    found_inf: torch.Tensor, step: torch.Tensor, check: int, scaled: bool, groups: list[Any]
+    found_inf: torch.Tensor,
+    step: torch.Tensor,
+    check: int,
+    scaled: bool,
+    groups: list[Any],
+    scale: torch.Tensor,
+    policy: tuple[float, ...],
+    call: str = "the scaler",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`agree`, read back: ``(flag, anyone_scaled, bad, vector)``: the agreed flag (0-d
     float32, also set when the ranks disagree), whether any rank called ``scale()`` (0-d bool),
     whether they disagree (0-d bool, :func:`mismatch`) and the agreement vector."""
-    vector = agree(found_inf, step, check, scaled, groups)
+    vector = agree(found_inf, step, check, scaled, groups, scale, policy, call=call)
     bad = mismatch(vector)
     return torch.maximum(vector[FOUND], bad.float()), vector[SCALED] > 0, bad, vector
 
 
 def poison(
-    code: int, step: float, check: int, rank: int, groups: list[Any], device: torch.device
+    code: int,
+    step: torch.Tensor,
+    check: int,
+    rank: int,
+    groups: list[Any],
+    scale: torch.Tensor,
+    policy: tuple[float, ...],
 ) -> None:
     """The agreement all-reduce of a rank that is about to raise a call-order error (``code`` in
     :data:`ERRORS`): it pairs with the all-reduce the other ranks wait in, which then fails with
     a message naming this rank and its error instead of a collective timeout."""
-    vector = [1.0, step % 2**24, -(step % 2**24), check, -check, 0.0, code * 4096 + rank % 4096 + 1]
-    all_reduce(torch.tensor(vector, device=device), groups)
+    flag = torch.ones((), dtype=torch.float32, device=scale.device)
+    agree(flag, step, check, False, groups, scale, policy, code * 4096 + rank % 4096 + 1)
+
+
+#: The (positive, negated) slot pairs whose disagreement is a mismatch.
+_PAIRS = [(STEP, NEG_STEP), (CHECK, NEG_CHECK), (SCALE, NEG_SCALE)]
+_PAIRS += [(NEG_SCALE + 1 + 2 * i, NEG_SCALE + 2 + 2 * i) for i in range(len(POLICY))]
 
 
 def mismatch(agreed: torch.Tensor) -> torch.Tensor:
-    """0-d bool: the agreement vector shows ranks at different steps or checks, or an error."""
+    """0-d bool: the agreement vector shows ranks at different steps or checks, with different
+    scales or policies, or an error."""
+    pos, neg = agreed[NEG_SCALE + 1 :: 2], agreed[NEG_SCALE + 2 :: 2]
+    differ = (pos != -neg).any()
     return (
-        (agreed[STEP] != -agreed[NEG_STEP])
+        differ
+        | (agreed[STEP] != -agreed[NEG_STEP])
         | (agreed[CHECK] != -agreed[NEG_CHECK])
+        | (agreed[SCALE] != -agreed[NEG_SCALE])
         | (agreed[ERROR] > 0)
     )
+
+
+def _differences(values: Sequence[float]) -> list[str]:
+    """The scale and policy fields on which the ranks differ, with their ranges."""
+    out = []
+    if values[SCALE] != -values[NEG_SCALE]:
+        out.append(f"loss scale {-values[NEG_SCALE]:g}..{values[SCALE]:g}")
+    for i, name in enumerate(POLICY):
+        hi, lo = values[NEG_SCALE + 1 + 2 * i], -values[NEG_SCALE + 2 + 2 * i]
+        if hi != lo:
+            out.append(f"{name} {lo:g}..{hi:g}")
+    return out
 
 
 def mismatch_message(values: Sequence[float], own_step: int, own_check: int, rank: int) -> str:
@@ -264,11 +384,20 @@ def mismatch_message(values: Sequence[float], own_step: int, own_check: int, ran
             "same optimizers and load the same checkpoint (e.g. a rank stepped fewer optimizers, "
             "skipped update(), or restored another step's scaler state)."
         )
+    if values[CHECK] != -values[NEG_CHECK]:
+        return (
+            "ShardedGradScaler: the ranks reduce the found-inf flags of different checks: this "
+            f"rank (rank {rank}) makes its check number {own_check} of the iteration, other ranks "
+            f"numbers {int(-values[NEG_CHECK])}..{int(values[CHECK])}. Every rank must call "
+            "unscale_/step/clip_grad_norm_ for the same number of optimizers, in the same order."
+        )
     return (
-        "ShardedGradScaler: the ranks reduce the found-inf flags of different checks: this "
-        f"rank (rank {rank}) makes its check number {own_check} of the iteration, other ranks "
-        f"numbers {int(-values[NEG_CHECK])}..{int(values[CHECK])}. Every rank must call "
-        "unscale_/step/clip_grad_norm_ for the same number of optimizers, in the same order."
+        f"ShardedGradScaler: the ranks' scalers differ at step {own_step} (seen on rank {rank}): "
+        + ", ".join(_differences(values))
+        + ". Their gradients were scaled differently (or the scales would move differently), so "
+        "the replicas would drift apart; the step was skipped on every rank. Build every rank's "
+        "scaler with the same arguments and load the same checkpoint on every rank (a rank that "
+        "restored a scaler state the others did not, or a per-rank config)."
     )
 
 

@@ -53,8 +53,9 @@ class ShardedGradScaler(
     * **Agreement.** Each optimizer's found-inf flag is all-reduced (MAX) in exactly one
       collective per ``unscale_`` (one per mesh dimension for a DeviceMesh), so every rank skips
       the same steps; fused optimizers receive the agreed flag. The same all-reduce carries the
-      step count and the check's ordinal in the iteration: ranks that call the scaler
-      differently get an error naming the mismatch instead of diverging.
+      step count, the check's ordinal, the loss scale and the policy: ranks that call the
+      scaler differently, or were built or restored differently, get an error naming what
+      differs instead of diverging; a rank that stops calling it, one naming the call.
     * **Any gradient.** Plain, FSDP2 DTensor shards (the local shard is unscaled), FSDP1 flat
       parameters, CPU-offloaded next to device ones, fp32/fp16/bf16, sparse, ranks holding no
       shard. The kernel is torch's on every device.
@@ -137,6 +138,10 @@ class ShardedGradScaler(
         self._it = Iteration()  # the record of this iteration and of the last one
         self._calls = _join.CallLog()  # the last iteration's calls (Join)
         self._reporter = Reporter(names)
+        self._call = "the scaler"  # the call in progress, named by a collective that fails
+        #: the next agreement is the first since the scaler was made or loaded: its mismatch
+        #: bit is read at once (ranks built or restored differently raise on every rank there)
+        self._verify = True
         self.process_group = process_group
         self.rank_local_params = args.rank_local_params
         self._report_overflows = args.report_overflows
@@ -229,10 +234,11 @@ class ShardedGradScaler(
     def _check(self, optimizer: Any, state: dict[str, Any], unscale: bool) -> dict[str, Any]:
         """Local check (and unscale) -> agreement -> record: ``optimizer``'s record with its
         agreed flag. This rank's flag covers its gradients (checked again unscaled when the
-        scale may be below 1) and those a clip of parameters unscaled. ONE all-reduce of
-        ``[found_inf, step, -step, k, -k, scaled, error]`` (:func:`_sync.agree`): ranks at
-        different steps or checks set the flag (the step is skipped) and the alarm, read by
-        :meth:`update`, raises naming the mismatch. On error the iteration is not started."""
+        scale may be below 1) and those a clip of parameters unscaled. ONE all-reduce
+        (:func:`_sync.agree`: the flag, step, check ordinal, scale and policy): ranks that
+        differ set the flag (the step is skipped) and the alarm, read at the first agreement
+        since made or loaded and by :meth:`update`, raises naming what differs. On error the
+        iteration is not started."""
         it, tensors, unit = self._it, self._loss_scale.tensors, self._loss_scale.unit
         home = tensors.scale.device
         try:
@@ -253,10 +259,15 @@ class ShardedGradScaler(
             if groups:
                 _join.check_order(self._join_config)
                 step = tensors.counters[0]
+                policy = _sync.policy_values(self._config)
                 local, anyone, bad, vector = _sync.agreement(
-                    local, step, it.checks, it.vote(), groups
+                    local, step, it.checks, it.vote(), groups, tensors.scale, policy, self._call
                 )
                 self._alarm.note_mismatch(bad, vector, step, it.checks)
+                if self._verify:  # the first agreement since made or loaded: read at once
+                    self._verify = False
+                    if bool(bad):
+                        self._poll()
         except BaseException:
             it.failed(optimizer)
             raise
@@ -455,6 +466,7 @@ class ShardedGradScaler(
             raise TypeError(
                 f"{method}() takes a torch.optim.Optimizer, got {type(optimizer).__name__}."
             )
+        self._call = f"{method}()"  # named by a collective that fails
         if self._loss_scale.tensors is None:
             params = list(_grads.iter_params(optimizer))
             self._lazy_init_scale_growth_tracker(params[0].device if params else self._device)
@@ -467,8 +479,9 @@ class ShardedGradScaler(
         groups = _sync.resolve_groups(self.process_group)
         tensors = self._loss_scale.tensors
         if groups and tensors is not None:
-            steps = float(tensors.counters[0])  # an error path: a read is fine
-            _sync.poison(code, steps, self._it.checks, _sync.rank(), groups, tensors.scale.device)
+            policy = _sync.policy_values(self._config)
+            step, check = tensors.counters[0], self._it.checks
+            _sync.poison(code, step, check, _sync.rank(), groups, tensors.scale, policy)
         raise RuntimeError(message)
 
     def _poll(self) -> None:
@@ -708,4 +721,5 @@ class ShardedGradScaler(
         self._loss_scale.load(loaded.numbers)
         self._config = loaded.config
         self._it.loaded()  # a step before the next scale() is checkpoint plumbing
+        self._verify = True
         self._bounds = HostBounds.at(loaded.numbers.scale)
