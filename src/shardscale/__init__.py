@@ -6,6 +6,7 @@
 
 from ._config import ScalerConfig
 from ._grads import SharedMemoryGradError
+from ._numerics import GroupNumerics, Numerics
 from ._policy import COUNTER_NAMES, ScaleState, next_state
 from ._report import OverflowEntry, OverflowReport, ScaleCollapseError
 from .scaler import OptState, ShardedGradScaler
@@ -20,6 +21,8 @@ __all__ = [
     "SharedMemoryGradError",
     "OverflowReport",
     "OverflowEntry",
+    "Numerics",
+    "GroupNumerics",
     "ScaleState",
     "next_state",
     "COUNTER_NAMES",

@@ -42,6 +42,8 @@ class LastStep:
         scale: 0-d float32, the scale its gradients were computed with.
         found_inf: 0-d float32, the number of optimizers that overflowed (agreed).
         optimizers: weak references to the optimizers stepped or unscaled.
+        still_scaled: ids of those whose gradients the scaler left scaled (a fused step's: its
+            kernel unscales them in place unless it skips the step).
     """
 
     counters: torch.Tensor
@@ -49,6 +51,7 @@ class LastStep:
     scale: torch.Tensor
     found_inf: torch.Tensor
     optimizers: list[weakref.ref]
+    still_scaled: frozenset[int] = frozenset()
 
     @property
     def index(self) -> int:
@@ -244,6 +247,11 @@ class Iteration:
         if not flags:
             flags = list({id(f): f for f in self.pre_unscaled.values()}.values())
         return flags, [s["optimizer"] for s in live if "optimizer" in s]
+
+    def still_scaled(self) -> frozenset[int]:
+        """Ids of the optimizers whose gradients still hold the scale (a fused step's check
+        or a folded clip: the kernel unscales in its own math)."""
+        return frozenset(k for k, s in self.states.items() if s.get("grad_scale") is not None)
 
     def skipped_flag(self, optimizer: Any) -> torch.Tensor | None:
         """Whether ``optimizer``'s last step was skipped, as a 0-d bool tensor (None: never

@@ -19,10 +19,11 @@ import torch
 from torch.amp.grad_scaler import OptState
 from torch.distributed.algorithms.join import Joinable
 
-from . import _checkpoint, _clip, _grads, _join, _stepping, _sync
+from . import _checkpoint, _clip, _grads, _join, _numerics, _stepping, _sync
 from ._alarm import POLL_EVERY, Alarm, Schedule
 from ._config import ScalerConfig, check_device, check_new_scale, settings
 from ._iteration import Iteration, LastStep
+from ._numerics import Numerics
 from ._policy import HostBounds, LossScale, Numbers, count_, step_
 from ._protocol import TorchInternals, is_optimizer, step_kind
 from ._report import OverflowReport, Reporter, collapse_error, name_params
@@ -396,7 +397,7 @@ class ShardedGradScaler(
             )
         self._lazy_init_scale_growth_tracker(self._device)  # update(new_scale) first
         state = self._loss_scale.tensors
-        counts, seen_clean = it.counts(), it.seen_clean()
+        counts, seen_clean, still_scaled = it.counts(), it.seen_clean(), it.still_scaled()
         read_overflow = it.read_overflow
         found_inf, refs, binary = it.close(state.scale.device)
         if not counts and value is None:
@@ -415,7 +416,7 @@ class ShardedGradScaler(
                 self._alarm.note_collapse(collapsed, state.counters[0], old)
         last = None
         if found_inf is not None:
-            last = it.last = LastStep(state.counters, -1, old, found_inf, refs)
+            last = it.last = LastStep(state.counters, -1, old, found_inf, refs, still_scaled)
         self._reporter.forget()  # a mid-iteration report may miss optimizers stepped later
         if torch.compiler.is_compiling():
             return
@@ -672,6 +673,33 @@ class ShardedGradScaler(
         if all_ranks:
             self._calls.note("overflow_report", True)
         return report
+
+    def numerics(self, all_ranks: bool = False) -> Numerics | None:
+        """The gradient numerics of the last stepped iteration, per parameter group: headroom
+        in bits to fp16's overflow, the fraction of elements that underflow in fp16, the
+        unscaled norm and amax (:class:`~shardscale.Numerics`; headline figures in its
+        ``as_dict()``). Call it after ``update()`` and before ``zero_grad()``; None before the
+        first ``update()`` or when disabled.
+
+        Measured on the gradients as they are (one pass and one host read per group; nothing
+        in the training step). ``all_ranks=False``: this rank's local gradients (shards), no
+        collective. True: every rank's, gathered (one ``all_gather_object``: every rank of the
+        process group must call it)."""
+        if not isinstance(all_ranks, bool):
+            raise TypeError(f"all_ranks must be a bool, got {all_ranks!r}.")
+        last = self._it.last
+        if not self._enabled or last is None:
+            return None
+        scale = float(last.scale)
+        # a fused kernel unscales the gradients in place, unless it skipped the step
+        pairs = [
+            (o, id(o) in last.still_scaled and bool(self._it.skipped_flag(o)))
+            for o in last.live_optimizers()
+        ]
+        groups = [] if self._calls.shadowing else _numerics.measure(pairs, scale, _sync.rank())
+        if all_ranks:
+            groups = _sync.gather_objects(groups, _sync.resolve_groups(self.process_group))
+        return Numerics(last.index, scale, tuple(sorted(groups, key=lambda g: (g.rank, g.name))))
 
     # torch's getters and setters: in _protocol.TorchInternals
     @property
