@@ -11,7 +11,7 @@ install-train:
 
 install-test:
 	$(PYTHON) -m pip install -q "$(TORCH)"
-	$(PYTHON) -m pip install -q -e ".[test]"
+	$(PYTHON) -m pip install -q -e ".[test,torchtitan]"  # torchtitan: ~40 s, ~0.4 GB; for its tests
 
 demo: install-train
 	$(PYTHON) -m shardscale train
