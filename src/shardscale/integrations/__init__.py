@@ -4,5 +4,7 @@
   (``pip install shardscale[lightning]``);
 * :mod:`shardscale.integrations.accelerate`: ``use_shardscale`` (``shardscale[accelerate]``);
 * :mod:`shardscale.integrations.transformers`: ``ShardscaleCallback``
-  (``shardscale[transformers]``).
+  (``shardscale[transformers]``);
+* :mod:`shardscale.integrations.torchtitan`: ``to_fp16`` and
+  ``--module shardscale.integrations.torchtitan`` (``shardscale[torchtitan]``).
 """
