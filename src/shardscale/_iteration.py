@@ -24,6 +24,18 @@ from torch.amp.grad_scaler import OptState
 
 from ._grads import iter_params, to_device
 
+#: the order of one iteration's calls, as the call-order errors name it
+ORDER = (
+    "scaler.scale(loss).backward() -> [scaler.unscale_(opt)] -> scaler.step(opt) -> scaler.update()"
+)
+#: the warning for gradients checked after an update() with no scale() since
+STALE = (
+    "ShardedGradScaler: an optimizer is stepped (or unscaled) after update() with no scale() "
+    "since: its gradients were scaled before that update(), by a scale update() may have "
+    "changed. Call update() once per iteration, after every optimizer's step(): "
+    "scale(loss).backward() -> step(opt_1) ... step(opt_n) -> update()."
+)
+
 
 def fresh_state() -> dict[str, Any]:
     """One optimizer's record, as torch's ``_refresh_per_optimizer_state`` (defined here:
@@ -244,6 +256,22 @@ class Iteration:
         if not flags:
             flags = list({id(f): f for f in self.pre_unscaled.values()}.values())
         return flags, [s["optimizer"] for s in live if "optimizer" in s]
+
+    def last_skipped(self, optimizer: Any = None) -> torch.Tensor:
+        """Whether the last step of ``optimizer`` (or of the last iteration, for None) was
+        skipped, as a 0-d bool tensor (``ShardedGradScaler.last_step_skipped``).
+
+        Raises:
+            RuntimeError: no step has been taken yet (for this optimizer).
+        """
+        if optimizer is not None:
+            flag = self.skipped_flag(optimizer)
+            if flag is None:
+                raise RuntimeError("last_step_skipped(): this optimizer has not been stepped yet.")
+            return flag
+        if self.last is None:
+            raise RuntimeError("last_step_skipped(): update() has not been called yet.")
+        return self.last.found_inf > 0
 
     def skipped_flag(self, optimizer: Any) -> torch.Tensor | None:
         """Whether ``optimizer``'s last step was skipped, as a 0-d bool tensor (None: never

@@ -22,22 +22,13 @@ from torch.distributed.algorithms.join import Joinable
 from . import _checkpoint, _clip, _grads, _join, _stepping, _sync
 from ._alarm import POLL_EVERY, Alarm, Schedule
 from ._config import ScalerConfig, check_device, check_new_scale, settings
-from ._iteration import Iteration, LastStep
+from ._iteration import ORDER, STALE, Iteration, LastStep
 from ._policy import HostBounds, LossScale, Numbers, count_, step_
 from ._protocol import TorchInternals, is_optimizer, step_kind
 from ._report import OverflowReport, Reporter, collapse_error, name_params
 
 logger = logging.getLogger("shardscale")
 
-_STALE = (
-    "ShardedGradScaler: an optimizer is stepped (or unscaled) after update() with no scale() "
-    "since: its gradients were scaled before that update(), by a scale update() may have "
-    "changed. Call update() once per iteration, after every optimizer's step(): "
-    "scale(loss).backward() -> step(opt_1) ... step(opt_n) -> update()."
-)
-_ORDER = (
-    "scaler.scale(loss).backward() -> [scaler.unscale_(opt)] -> scaler.step(opt) -> scaler.update()"
-)
 __all__ = ["ShardedGradScaler", "OptState", "POLL_EVERY"]
 
 
@@ -220,10 +211,10 @@ class ShardedGradScaler(
             self._fail(
                 1,
                 "unscale_() has already been called on this optimizer since the last update(); "
-                f"call it at most once per optimizer per iteration: {_ORDER}.",
+                f"call it at most once per optimizer per iteration: {ORDER}.",
             )
         if state["stage"] is OptState.STEPPED:
-            self._fail(3, f"unscale_() is being called after step(); the order is {_ORDER}.")
+            self._fail(3, f"unscale_() is being called after step(); the order is {ORDER}.")
         self._check(optimizer, state, unscale=True)
 
     def _check(self, optimizer: Any, state: dict[str, Any], unscale: bool) -> dict[str, Any]:
@@ -240,7 +231,7 @@ class ShardedGradScaler(
                 optimizer, _grads.inv_scale(tensors.scale) if unscale else unit, None
             )
             if flags and it.saw_gradients():
-                warnings.warn(_STALE, RuntimeWarning, stacklevel=4)
+                warnings.warn(STALE, RuntimeWarning, stacklevel=4)
             local = _grads.combine_flags(flags, home)
             if unscale and self._bounds.below_one:  # 1/scale > 1: finite values may overflow
                 local = torch.maximum(
@@ -295,7 +286,7 @@ class ShardedGradScaler(
             self._fail(
                 1,
                 "step() has already been called on this optimizer since the last update(); "
-                f"the order is {_ORDER}, with update() once per iteration.",
+                f"the order is {ORDER}, with update() once per iteration.",
             )
         kind = step_kind(optimizer)
         if kind == "plain":
@@ -381,7 +372,7 @@ class ShardedGradScaler(
             self._fail(
                 2,
                 "update() was called but no optimizer was stepped or unscaled since the last "
-                f"update(); the order is {_ORDER}.",
+                f"update(); the order is {ORDER}.",
             )
         self._lazy_init_scale_growth_tracker(self._device)  # update(new_scale) first
         state = self._loss_scale.tensors
@@ -610,14 +601,7 @@ class ShardedGradScaler(
         """
         if not self._enabled:
             return torch.tensor(False, device="cpu")
-        if optimizer is not None:
-            flag = self._it.skipped_flag(optimizer)
-            if flag is None:
-                raise RuntimeError("last_step_skipped(): this optimizer has not been stepped yet.")
-            return flag
-        if self._it.last is None:
-            raise RuntimeError("last_step_skipped(): update() has not been called yet.")
-        return self._it.last.found_inf > 0
+        return self._it.last_skipped(optimizer)
 
     def metrics(self) -> dict[str, float | int]:
         """Plain numbers for loggers: ``scale``, ``growth_tracker``, ``hysteresis_tracker``,
