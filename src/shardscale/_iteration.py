@@ -4,8 +4,10 @@ what the last ``update()`` closed.
 Each optimizer's record is torch's (``GradScaler._per_optimizer_states[id(opt)]``: ``"stage"``,
 an ``OptState``, and ``"found_inf_per_device"``, ``{device: 0-d float32 flag}``), so frameworks
 and ``grad_scaler=`` optimizers that read or write it see the truth; shardscale adds
-``"optimizer"`` (a weak reference), ``"grad_scale"`` (what a fused kernel divides by) and
-``"scaled"`` (0-d bool from the agreement: whether any rank called ``scale()``).
+``"optimizer"`` (a weak reference), ``"grad_scale"`` (what a fused kernel divides by),
+``"scaled"`` (0-d bool from the agreement: whether any rank called ``scale()``) and ``"groups"``
+(the id of its first param group: a wrapper sharing an optimizer's param groups is listed under
+both ids with the one record).
 
 The record changes only through its methods, each named for what happened: :meth:`scaled`,
 :meth:`checked`, :meth:`clipped_params`, :meth:`stepped`, :meth:`abandon`, :meth:`close`.
@@ -77,11 +79,13 @@ class Iteration:
     only; no tensor is read here except by :meth:`counts` on an idle rank.
 
     Attributes:
-        states: torch's per-optimizer records, by ``id(optimizer)``.
+        states: torch's per-optimizer records, by ``id(optimizer)`` (a wrapper and its inner
+            optimizer: one record under both ids).
         pre_unscaled: ``id(param) -> agreed flag`` for gradients ``clip_grad_norm_(params)``
             unscaled this iteration (their optimizer leaves them alone).
-        skipped: ``id(optimizer) -> bool`` (read on the host) or 0-d bool tensor (a fused
-            step's, on the device): whether its last step was skipped.
+        skipped: ``id(optimizer)`` (and the id of its first param group) ``-> bool`` (read on
+            the host) or 0-d bool tensor (a fused step's, on the device): whether its last step
+            was skipped.
         last: the iteration the last ``update()`` closed.
         read_overflow: a step of this iteration read an overflow on the host.
         blind: a step of this iteration whose flag the host did not read (a fused one).
@@ -118,10 +122,19 @@ class Iteration:
 
     def record(self, optimizer: Any) -> dict[str, Any]:
         """``optimizer``'s record, created READY if new (inserted explicitly: ``torch.compile``
-        loses a defaultdict's own insert)."""
+        loses a defaultdict's own insert). An optimizer sharing the param groups of one recorded
+        already (a wrapper and its inner optimizer: accelerate's ``AcceleratedOptimizer``,
+        Lookahead) shares its record: one optimizer, whichever object names it."""
         state = self.states.get(id(optimizer))
         if state is None:
-            state = self.states[id(optimizer)] = {"stage": OptState.READY, "found_inf_per_device": {}}
+            groups = optimizer.param_groups
+            key = id(groups[0]) if groups else id(optimizer)
+            for other in self.states.values():
+                if other.get("groups") == key:
+                    self.states[id(optimizer)] = other
+                    return other
+            state = {"stage": OptState.READY, "found_inf_per_device": {}, "groups": key}
+            self.states[id(optimizer)] = state
         return state
 
     def saw_gradients(self) -> bool:
@@ -161,6 +174,8 @@ class Iteration:
         or a 0-d bool tensor it did not (a fused step)."""
         state["stage"] = OptState.STEPPED
         self.skipped[id(optimizer)] = skipped
+        if "groups" in state:  # its param groups: what a wrapper or inner optimizer asks by
+            self.skipped[state["groups"]] = skipped
         if isinstance(skipped, bool):
             self.read_overflow = self.read_overflow or skipped
         else:
@@ -171,7 +186,8 @@ class Iteration:
         state = self.states.get(id(optimizer))
         if state is not None and state["stage"] is OptState.READY:
             if not state["found_inf_per_device"]:
-                del self.states[id(optimizer)]
+                for key in [k for k, s in self.states.items() if s is state]:
+                    del self.states[key]
 
     def abandon(self) -> None:
         """The iteration ends without an update: its records are cleared."""
@@ -251,7 +267,10 @@ class Iteration:
         """The iteration's inf checks: every recorded flag, and the optimizers they belong to.
         When only ``clip_grad_norm_(params)`` ran, its flags (as torch's update after
         ``unscale_`` alone: the checks made are what counts)."""
-        live = [s for s in self.states.values() if s["found_inf_per_device"]]
+        live: list[dict[str, Any]] = []
+        for s in self.states.values():  # a wrapper's record is its inner optimizer's: once
+            if s["found_inf_per_device"] and not any(s is t for t in live):
+                live.append(s)
         flags = [f for s in live for f in s["found_inf_per_device"].values()]
         if not flags:
             flags = list({id(f): f for f in self.pre_unscaled.values()}.values())
@@ -277,6 +296,9 @@ class Iteration:
         """Whether ``optimizer``'s last step was skipped, as a 0-d bool tensor (None: never
         stepped)."""
         flag = self.skipped.get(id(optimizer))
+        groups = getattr(optimizer, "param_groups", None)
+        if flag is None and groups:  # a wrapper of the optimizer stepped, or the reverse
+            flag = self.skipped.get(id(groups[0]))
         if isinstance(flag, bool):
             return torch.tensor(flag, device="cpu")
         return flag

@@ -292,6 +292,8 @@ class ShardedGradScaler(
         if kind == "plain":
             if state["stage"] is OptState.READY:
                 self._unscale(optimizer, state)
+            elif state.get("grad_scale") is not None:  # a clip folded for a fused inner optimizer
+                self._unscale_grads_(optimizer, _grads.inv_scale(state.pop("grad_scale")), None)
             retval = self._plain_step(optimizer, state, args, kwargs)
         elif kind == "grad_scaler":
             retval = self._grad_scaler_step(optimizer, state, args, kwargs)
@@ -312,9 +314,9 @@ class ShardedGradScaler(
     def _fused_step(self, optimizer: Any, state: dict[str, Any], args: Any, kwargs: Any) -> Any:
         scale = self._loss_scale.tensors.scale
         if state["stage"] is OptState.READY:
-            if self._bounds.below_one or self._it.pre_unscaled_in(optimizer):
-                # part is unscaled already, or the scale may be below 1 (the kernel's 1/scale
-                # could overflow unseen): unscale in place, checked
+            if self._bounds.below_one or _grads.unscaled_or_tied(optimizer, self._it.pre_unscaled):
+                # part is unscaled already, a tied parameter, or the scale may be below 1 (the
+                # kernel's 1/scale could overflow unseen): unscale in place, checked
                 self._unscale(optimizer, state)
             else:
                 self._check(optimizer, state, unscale=False)["grad_scale"] = scale
@@ -560,6 +562,7 @@ class ShardedGradScaler(
             raise _clip.refused("after step")
         # a scale below 1 is not folded (the kernel's division could overflow unseen)
         fused = step_kind(target) != "plain" and not self._bounds.below_one
+        fused = fused and not _grads.unscaled_or_tied(target, ())  # tied: unscaled in place
         try:
             total, state["grad_scale"], found_inf, anyone = self._norm_and_clip(
                 buckets, group, fused, args
