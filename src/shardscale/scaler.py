@@ -195,8 +195,8 @@ class ShardedGradScaler(
         then exactly one all-reduce (MAX) of the flag per process group. No host read.
 
         Raises:
-            RuntimeError: called twice for this optimizer in one iteration, or after
-                :meth:`step`.
+            RuntimeError: called twice for this optimizer in one backward pass, or after
+                :meth:`step`; gradients no rank scaled, or added to unscaled ones (both named).
             TypeError: ``optimizer`` is not an optimizer.
             ValueError: a gradient's elements share memory (an expanded view), named, before
                 anything is written.
@@ -223,13 +223,15 @@ class ShardedGradScaler(
         scale may be below 1) and those a clip of parameters unscaled. ONE all-reduce of
         ``[found_inf, step, -step, k, -k, scaled, error]`` (:func:`_sync.agree`): ranks at
         different steps or checks set the flag (the step is skipped) and the alarm, read by
-        :meth:`update`, raises naming the mismatch. On error the iteration is not started."""
+        :meth:`update`, raises naming the mismatch. A rank with no ``scale()`` since made or
+        loaded unscales once the agreement says another rank scaled (else its gradients must be
+        zero). On error the iteration is not started."""
         it, tensors, unit = self._it, self._loss_scale.tensors, self._loss_scale.unit
         home = tensors.scale.device
+        idle = not (it.scaled_here or it.ever_scaled)
         try:
-            flags = self._unscale_grads_(
-                optimizer, _grads.inv_scale(tensors.scale) if unscale else unit, None
-            )
+            inv = _grads.inv_scale(tensors.scale) if unscale else unit
+            flags = self._unscale_grads_(optimizer, unit if idle else inv, None)
             if flags and it.saw_gradients():
                 warnings.warn(STALE, RuntimeWarning, stacklevel=4)
             local = _grads.combine_flags(flags, home)
@@ -248,6 +250,9 @@ class ShardedGradScaler(
                     local, step, it.checks, it.vote(), groups
                 )
                 self._alarm.note_mismatch(bad, vector, step, it.checks)
+            params = list(_grads.iter_params(optimizer)) if idle and flags else None
+            if params and it.scaled_elsewhere(anyone, params, "step or unscale_") and unscale:
+                self._unscale_grads_(optimizer, inv, None)  # another rank's scaled gradients
         except BaseException:
             it.failed(optimizer)
             raise
@@ -274,8 +279,8 @@ class ShardedGradScaler(
 
         Raises:
             RuntimeError: twice for this optimizer in one iteration, with a ``closure`` (as
-                torch), or when the ranks disagree (another step, another check).
-            ValueError: as :meth:`unscale_`, before anything is written or stepped.
+                torch), when the ranks disagree (another step, another check), or as
+                :meth:`unscale_`; ValueError: as :meth:`unscale_` (nothing written or stepped).
         """
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
@@ -521,8 +526,8 @@ class ShardedGradScaler(
             TypeError, ValueError: a bad argument or gradient (a Partial DTensor, shared memory),
                 before anything is written.
             RuntimeError: after :meth:`step` in the iteration, parameters mixing unscaled and
-                scaled gradients, or ``error_if_nonfinite`` and a non-finite norm (nothing
-                written then).
+                scaled gradients, ``error_if_nonfinite`` and a non-finite norm (nothing written
+                then), or as :meth:`unscale_`.
             NotImplementedError: several process groups / a multi-dimensional mesh, or DTensor
                 gradients on a mesh other than the scaler's group.
         """
@@ -537,6 +542,8 @@ class ShardedGradScaler(
         return total
 
     def _clip_grad_norm(self, target: Any, args: _clip.ClipArgs) -> torch.Tensor:
+        if self._it.carried:  # the first call after a new backward pass
+            self._it.settle()
         is_opt = is_optimizer(target)
         params = list(_grads.iter_params(target)) if is_opt else target
         group = _clip.single_group(_sync.resolve_groups(self.process_group))
@@ -565,7 +572,7 @@ class ShardedGradScaler(
         fused = fused and not _grads.unscaled_or_tied(target, ())  # tied: unscaled in place
         try:
             total, state["grad_scale"], found_inf, anyone = self._norm_and_clip(
-                buckets, group, fused, args
+                buckets, params, group, fused, args
             )
         except BaseException:
             self._it.failed(target)
@@ -573,18 +580,23 @@ class ShardedGradScaler(
         self._it.checked(target, state, found_inf, anyone, unscaled=True)
         return total
 
-    def _norm_and_clip(self, buckets: Any, group: Any, fused: bool, args: _clip.ClipArgs) -> Any:
-        scale = self._loss_scale.tensors.scale
+    def _norm_and_clip(self, buckets: Any, params: Any, group: Any, fused: bool, args: Any) -> Any:
+        it, scale = self._it, self._loss_scale.tensors.scale
         inv, low = _grads.inv_scale(scale), self._bounds.below_one
-        return _clip.norm_and_clip(
-            buckets, scale, inv, args.p, args.max_norm, group, fused, self._it.vote(), low,
-            **args.opts,
-        )  # fmt: skip
+        idle = buckets and not (it.scaled_here or it.ever_scaled)  # refused before any write
+        if idle and group is None:  # on one process: no other rank scaled
+            it.scaled_elsewhere(None, params, "clip_grad_norm_")
+        out = _clip.norm_and_clip(
+            buckets, scale, inv, args.p, args.max_norm, group, fused, it.vote(), low, **args.opts
+        )
+        if idle and group is not None:  # the clip's all-reduce tells whether another rank did
+            it.scaled_elsewhere(out[3], params, "clip_grad_norm_", written=True)
+        return out
 
     def _clip_params(self, buckets: Any, params: list[Any], group: Any, args: Any) -> Any:
         if _clip.unscaled_already(self._it.stages_of(params), params):
             return _clip.clip_unscaled(buckets, args.p, args.max_norm, group, **args.opts)
-        total, _, found_inf, _ = self._norm_and_clip(buckets, group, False, args)
+        total, _, found_inf, _ = self._norm_and_clip(buckets, params, group, False, args)
         self._it.clipped_params(params, found_inf)
         return total
 
@@ -681,15 +693,16 @@ class ShardedGradScaler(
         changes: on error the scaler is left exactly as it was.
 
         Raises:
-            RuntimeError: empty dict (saved from a disabled scaler), or called mid-iteration.
+            RuntimeError: empty dict (saved from a disabled scaler), or called mid-iteration
+                (after :meth:`scale`: the gradients are the scale's in force).
             TypeError, ValueError: a missing key or a bad value, named in the message.
         """
         if not self._enabled:
             return
-        if self._it.started():
+        if self._it.started() or self._it.scaled_here:  # the gradients: the old scale's
             raise RuntimeError(
-                "load_state_dict() was called in the middle of an iteration (after unscale_/step, "
-                "before update()); load the state at an iteration boundary."
+                "load_state_dict() was called in the middle of an iteration (after scale(), "
+                "unscale_ or step): load at an iteration boundary (after update() or abandon())."
             )
         loaded = _checkpoint.parse_state_dict(state_dict, self._config, self._asked)
         self._loss_scale.load(loaded.numbers)
