@@ -384,6 +384,14 @@ case(
     TypeError,
     "argument",
 )
+case(
+    "numerics-all_ranks_int",
+    "updated",
+    lambda s, m, o: s.numerics(1),
+    TypeError,
+    "all_ranks must be a bool",
+)
+case("numerics-extra_arg", "updated", lambda s, m, o: s.numerics(True, 1), TypeError, "argument")
 case("join_hook-positional", "updated", lambda s, m, o: s.join_hook(1), TypeError, "argument")
 
 # ------------------------------------------------------------ load_state_dict

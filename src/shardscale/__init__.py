@@ -6,6 +6,7 @@
 
 from ._config import ScalerConfig
 from ._grads import SharedMemoryGradError
+from ._iteration import NotScaledError
 from ._numerics import GroupNumerics, Numerics
 from ._policy import COUNTER_NAMES, ScaleState, next_state
 from ._report import OverflowEntry, OverflowReport, ScaleCollapseError
@@ -19,6 +20,7 @@ __all__ = [
     "ScalerConfig",
     "ScaleCollapseError",
     "SharedMemoryGradError",
+    "NotScaledError",
     "OverflowReport",
     "OverflowEntry",
     "Numerics",

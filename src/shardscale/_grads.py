@@ -1,12 +1,15 @@
 """An optimizer's local gradients: found, validated, bucketed, unscaled and checked.
 
-Everything here is local to one rank: no collective, no host synchronisation. The kernel is
-torch's own (``torch._amp_foreach_non_finite_check_and_unscale_``, behind
-``torch.amp.GradScaler``) on every device.
+Everything here is local to one rank: no collective, and no host synchronisation except in
+:func:`any_nonzero` and :func:`since` (off the steady path: a rank that scaled nothing, a new
+backward pass). The kernel is torch's own (``torch._amp_foreach_non_finite_check_and_unscale_``,
+behind ``torch.amp.GradScaler``) on every device.
 """
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections.abc import Container, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -52,6 +55,16 @@ def unique_params(params: Iterable[Any], skip: Container[int] = ()) -> list[Any]
     if skip:
         params = [p for p in params if id(p) not in skip]
     return params
+
+
+def unscaled_or_tied(optimizer: Any, unscaled: Container[int]) -> bool:
+    """Whether a fused kernel must be given ``optimizer``'s gradients unscaled: some are unscaled
+    already (their parameters' ids are in ``unscaled``), or a parameter is listed twice (tied
+    weights: the kernel divides each listing's gradient by ``grad_scale`` and writes it back, so
+    the second listing would be divided again). The scan is C: ``set``, ``map``, ``chain``."""
+    params = list(itertools.chain.from_iterable([g["params"] for g in optimizer.param_groups]))
+    ids = set(map(id, params))
+    return len(ids) != len(params) or (bool(unscaled) and not ids.isdisjoint(unscaled))
 
 
 class SharedMemoryGradError(ValueError):
@@ -185,6 +198,80 @@ def local_grads(
             require_writable(values, param)
         out.append((param, values))
     return out
+
+
+def _l1_norms(values: list[tuple[int, torch.Tensor]]) -> dict[int, torch.Tensor]:
+    """``key -> 0-d L1 norm`` of each tensor (one ``_foreach_norm`` per device and dtype; not
+    read: 0 for zeros, non-zero for any other value, inf or NaN)."""
+    per: dict[tuple[torch.device, torch.dtype], list[tuple[int, torch.Tensor]]] = {}
+    for key, v in values:
+        per.setdefault((v.device, v.dtype), []).append((key, v))
+    out = {}
+    for items in per.values():
+        norms = torch._foreach_norm([v for _, v in items], 1)
+        out.update((key, n) for (key, _), n in zip(items, norms, strict=True))
+    return out
+
+
+def any_nonzero(params: Iterable[Any], skip: Container[int] = ()) -> bool:
+    """Whether a local gradient of ``params`` (without those whose ``id`` is in ``skip``) holds
+    anything but zeros (inf and NaN count). One host read; none without gradients."""
+    norms = list(_l1_norms([(i, v) for i, (_, v) in enumerate(local_grads(params, skip))]).values())
+    if not norms:
+        return False
+    home = norms[0].device
+    return bool(torch.stack([to_device(n.float(), home) for n in norms]).ne(0).any())
+
+
+#: ``id(param) -> (param, weak reference to its gradient, the gradient's version, its L1 norm
+#: (0-d, not read; None for an empty shard))``; ``(param, None, -1, None)`` without a gradient
+Snapshot = dict[int, tuple[Any, Any, int, "torch.Tensor | None"]]
+
+
+def snapshot(params: Iterable[Any]) -> Snapshot:
+    """The gradients of ``params`` as they are (unscaled) when a new backward pass begins, to
+    tell afterwards which the pass replaced, left alone or added to (:func:`since`). No host
+    read; one ``_foreach_norm`` per device and dtype."""
+    out: dict[int, list[Any]] = {}
+    values = []
+    for param in unique_params(params):
+        if getattr(param, "grad", None) is None:
+            out[id(param)] = [param, None, -1, None]  # whatever it gets is new
+            continue
+        v = grad_values(param)  # may coalesce a sparse gradient: take param.grad after it
+        grad = param.grad
+        out[id(param)] = [param, weakref.ref(grad), grad._version, None]
+        if v is not None:
+            values.append((id(param), v))
+    for key, norm in _l1_norms(values).items():
+        out[key][3] = norm
+    return {key: tuple(item) for key, item in out.items()}  # type: ignore[misc]
+
+
+def since(carried: Snapshot) -> tuple[list[int], list[int], bool]:
+    """What became of the gradients of :func:`snapshot`: ``(untouched, replaced, added_to)``:
+    the ids of parameters whose gradient is the same tensor, unchanged (still unscaled), those
+    whose gradient is another tensor, none, or one that was zero when snapshotted (zeroed in
+    place, ``zero_grad(set_to_none=False)``), and whether a non-zero one was written in place
+    since (a backward accumulated onto it). One host read, only when some were written."""
+    untouched, replaced, written = [], [], []
+    for key, (param, ref, version, norm) in carried.items():
+        grad = param.grad
+        if grad is None or ref is None or grad is not ref():
+            replaced.append(key)
+        elif grad._version == version:
+            untouched.append(key)
+        elif norm is None:
+            replaced.append(key)
+        else:
+            written.append((key, norm))
+    added_to = False
+    if written:
+        home = written[0][1].device
+        nonzero = torch.stack([to_device(n.float(), home) for _, n in written]).ne(0).tolist()
+        added_to = any(nonzero)
+        replaced += [key for (key, _), bad in zip(written, nonzero, strict=True) if not bad]
+    return untouched, replaced, added_to
 
 
 def check_bucket(device: torch.device, dtype: torch.dtype) -> None:

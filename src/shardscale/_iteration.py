@@ -4,12 +4,16 @@ what the last ``update()`` closed.
 Each optimizer's record is torch's (``GradScaler._per_optimizer_states[id(opt)]``: ``"stage"``,
 an ``OptState``, and ``"found_inf_per_device"``, ``{device: 0-d float32 flag}``), so frameworks
 and ``grad_scaler=`` optimizers that read or write it see the truth; shardscale adds
-``"optimizer"`` (a weak reference), ``"grad_scale"`` (what a fused kernel divides by) and
-``"scaled"`` (0-d bool from the agreement: whether any rank called ``scale()``).
+``"optimizer"`` (a weak reference), ``"grad_scale"`` (what a fused kernel divides by),
+``"scaled"`` (0-d bool from the agreement: whether any rank called ``scale()``) and ``"groups"``
+(the id of its first param group: a wrapper sharing an optimizer's param groups is listed under
+both ids with the one record).
 
-The record changes only through its methods, each named for what happened: :meth:`scaled`,
-:meth:`checked`, :meth:`clipped_params`, :meth:`stepped`, :meth:`abandon`, :meth:`close`.
-Whether an iteration counts is :meth:`counts`.
+The record changes only through its methods, each named for what happened: :meth:`scaled`
+(:meth:`new_pass` when it follows an unscale), :meth:`settle`, :meth:`checked`,
+:meth:`clipped_params`, :meth:`stepped`, :meth:`abandon`, :meth:`close`. Whether an iteration
+counts is :meth:`counts`; whether an idle rank's gradients are another rank's scaled ones is
+:meth:`scaled_elsewhere`. The rules of several backward passes: ``docs/setups.md``.
 """
 
 from __future__ import annotations
@@ -22,7 +26,38 @@ from typing import Any
 import torch
 from torch.amp.grad_scaler import OptState
 
+from . import _grads
 from ._grads import iter_params, to_device
+
+#: the order of one iteration's calls, as the call-order errors name it
+ORDER = (
+    "scaler.scale(loss).backward() -> [scaler.unscale_(opt)] -> scaler.step(opt) -> scaler.update()"
+)
+#: the warning for gradients checked after an update() with no scale() since
+STALE = (
+    "ShardedGradScaler: an optimizer is stepped (or unscaled) after update() with no scale() "
+    "since: its gradients were scaled before that update(), by a scale update() may have "
+    "changed. Call update() once per iteration, after every optimizer's step(): "
+    "scale(loss).backward() -> step(opt_1) ... step(opt_n) -> update()."
+)
+_ADDED_TO = (
+    "ShardedGradScaler: a backward pass added its scaled gradients to gradients unscale_() (or "
+    "clip_grad_norm_) had unscaled already in this iteration: their sum mixes unscaled and "
+    "scaled values; nothing was unscaled or stepped. Call optimizer.zero_grad() before the next "
+    "scaler.scale(loss).backward(), or unscale_ once, after every backward pass of the step."
+)
+_NOT_SCALED = (
+    "ShardedGradScaler: gradients are being unscaled ({what}) but no rank called scale() since "
+    "the scaler was made or loaded, and they are not zero. This may indicate your script did "
+    "not use scaler.scale(loss or outputs) earlier in the iteration: call "
+    "scaler.scale(loss).backward() instead of loss.backward(); {then}."
+)
+
+
+class NotScaledError(RuntimeError, AssertionError):
+    """Gradients are being unscaled but no rank called ``scale()``: a ``loss.backward()``
+    without ``scaler.scale(loss)``. A ``RuntimeError`` as shardscale's call-order errors, and an
+    ``AssertionError`` as torch's ``GradScaler`` raises in that case."""
 
 
 def fresh_state() -> dict[str, Any]:
@@ -65,14 +100,17 @@ class LastStep:
 @dataclasses.dataclass
 class Iteration:
     """The scaler's bookkeeping between updates. Plain attributes, written by the methods
-    only; no tensor is read here except by :meth:`counts` on an idle rank.
+    only; no tensor is read here except by :meth:`counts` and :meth:`scaled_elsewhere` on an
+    idle rank, and by :meth:`settle` after a new backward pass wrote unscaled gradients.
 
     Attributes:
-        states: torch's per-optimizer records, by ``id(optimizer)``.
+        states: torch's per-optimizer records, by ``id(optimizer)`` (a wrapper and its inner
+            optimizer: one record under both ids).
         pre_unscaled: ``id(param) -> agreed flag`` for gradients ``clip_grad_norm_(params)``
             unscaled this iteration (their optimizer leaves them alone).
-        skipped: ``id(optimizer) -> bool`` (read on the host) or 0-d bool tensor (a fused
-            step's, on the device): whether its last step was skipped.
+        skipped: ``id(optimizer)`` (and the id of its first param group) ``-> bool`` (read on
+            the host) or 0-d bool tensor (a fused step's, on the device): whether its last step
+            was skipped.
         last: the iteration the last ``update()`` closed.
         read_overflow: a step of this iteration read an overflow on the host.
         blind: a step of this iteration whose flag the host did not read (a fused one).
@@ -86,6 +124,13 @@ class Iteration:
         last_scaled: whether ``scale()`` was in the iteration the last ``update()`` closed
             (None: no update since the scaler was made or loaded).
         checks: the agreements made in this iteration (the next one's ordinal).
+        unscaled_open: gradients were unscaled since this backward pass began: a ``scale()``
+            now begins another pass (:meth:`new_pass`).
+        earlier: the agreed flag of this iteration's earlier passes (0-d float32, or None): it
+            joins every flag recorded after them.
+        carried: the unscaled gradients a new pass began with (:func:`_grads.snapshot`),
+            until the next call sees what the pass did to them (:meth:`settle`).
+        clipped: ``id(param) -> param`` of :attr:`pre_unscaled`.
     """
 
     states: dict[int, dict[str, Any]] = dataclasses.field(
@@ -101,18 +146,85 @@ class Iteration:
     stale: bool = False
     last_scaled: bool | None = None
     checks: int = 0
+    unscaled_open: bool = False
+    earlier: torch.Tensor | None = None
+    carried: dict[int, Any] = dataclasses.field(default_factory=dict)
+    clipped: dict[int, Any] = dataclasses.field(default_factory=dict)
 
     # ------------------------------------------------------------- what happened
     def scaled(self) -> None:
-        """``scale()`` was called."""
+        """``scale()`` was called: after gradients were unscaled, a new backward pass begins."""
         self.scaled_here = True
+        if self.unscaled_open:
+            self.new_pass()
+
+    @torch.compiler.disable  # weak references and versions: the rare path, left to eager
+    def new_pass(self) -> None:
+        """A backward pass begins after gradients were unscaled in this iteration (sharpness-
+        aware optimizers: ``unscale_``, perturb, ``zero_grad``, a second ``scale(loss)
+        .backward()``, ``step``; or a guard of the user's that dropped a pass): the optimizers
+        unscaled and not stepped are READY again (their next step unscales the new gradients
+        once), the flags so far join the later ones (:attr:`earlier`: an overflow in a pass
+        skips the steps after it and backs the scale off once), and the unscaled gradients
+        are snapshotted: those the pass leaves alone are not unscaled again, those it adds to
+        are refused (:meth:`settle`)."""
+        self.unscaled_open = False
+        flags = [] if self.earlier is None else [self.earlier]
+        carry, stepped = {}, set()
+        for state in {id(s): s for s in self.states.values()}.values():
+            opt = state["optimizer"]() if "optimizer" in state else None
+            if state["stage"] is OptState.STEPPED and opt is not None:
+                stepped.update(map(id, iter_params(opt)))
+            elif state["stage"] is OptState.UNSCALED:
+                state["stage"] = OptState.READY
+                flags.extend(state["found_inf_per_device"].values())
+                # a clip folded into a fused kernel's grad_scale left them scaled: nothing to keep
+                if state.pop("grad_scale", None) is None and opt is not None:
+                    carry.update((id(q), q) for q in iter_params(opt))
+        for key, q in self.clipped.items():
+            if key not in stepped:
+                carry[key] = q
+                flags.append(self.pre_unscaled[key])
+        if flags:
+            home = flags[0].device
+            self.earlier = torch.stack([to_device(f, home) for f in flags]).amax()
+        self.carried = _grads.snapshot(carry.values())
+
+    def settle(self) -> None:
+        """The first call after a new pass's backward: the gradients it left alone are unscaled
+        already (left out, as a clip of parameters'), those it replaced are scaled ones.
+
+        Raises:
+            RuntimeError: it added scaled gradients to unscaled ones (nothing changes here).
+        """
+        untouched, replaced, added_to = _grads.since(self.carried)
+        if added_to:
+            raise RuntimeError(_ADDED_TO)
+        self.carried = {}
+        for key in replaced:
+            self.pre_unscaled.pop(key, None)
+            self.clipped.pop(key, None)
+        for key in untouched:
+            if key not in self.pre_unscaled:
+                self.pre_unscaled[key] = self.earlier
 
     def record(self, optimizer: Any) -> dict[str, Any]:
         """``optimizer``'s record, created READY if new (inserted explicitly: ``torch.compile``
-        loses a defaultdict's own insert)."""
+        loses a defaultdict's own insert). An optimizer sharing the param groups of one recorded
+        already (a wrapper and its inner optimizer: accelerate's ``AcceleratedOptimizer``,
+        Lookahead) shares its record: one optimizer, whichever object names it."""
+        if self.carried:
+            self.settle()
         state = self.states.get(id(optimizer))
         if state is None:
-            state = self.states[id(optimizer)] = {"stage": OptState.READY, "found_inf_per_device": {}}
+            groups = optimizer.param_groups
+            key = id(groups[0]) if groups else id(optimizer)
+            for other in self.states.values():
+                if other.get("groups") == key:
+                    self.states[id(optimizer)] = other
+                    return other
+            state = {"stage": OptState.READY, "found_inf_per_device": {}, "groups": key}
+            self.states[id(optimizer)] = state
         return state
 
     def saw_gradients(self) -> bool:
@@ -134,24 +246,33 @@ class Iteration:
         (``unscale_``, a clip) or not (a fused step's check): its agreed ``flag`` (0-d float32
         on the scale's device) and, from the agreement, whether any rank scaled (0-d bool)."""
         self.checks += 1
+        if self.earlier is not None:  # an earlier pass of this iteration
+            flag = torch.maximum(flag, to_device(self.earlier, flag.device))
         state["found_inf_per_device"] = {flag.device: flag}
         state["optimizer"] = weakref.ref(optimizer)
         if anyone_scaled is not None:
             state["scaled"] = anyone_scaled
         if unscaled:
             state["stage"] = OptState.UNSCALED
+            self.unscaled_open = True
         return state
 
     def clipped_params(self, params: list[Any], flag: torch.Tensor) -> None:
         """``clip_grad_norm_(params)`` unscaled ``params``' gradients, with the agreed ``flag``."""
+        if self.earlier is not None:
+            flag = torch.maximum(flag, to_device(self.earlier, flag.device))
         for q in params:
             self.pre_unscaled[id(q)] = flag
+            self.clipped[id(q)] = q
+        self.unscaled_open = True
 
     def stepped(self, optimizer: Any, state: dict[str, Any], skipped: Any) -> None:
         """``optimizer`` was stepped (or its step skipped): ``skipped`` is a bool the host read,
         or a 0-d bool tensor it did not (a fused step)."""
         state["stage"] = OptState.STEPPED
         self.skipped[id(optimizer)] = skipped
+        if "groups" in state:  # its param groups: what a wrapper or inner optimizer asks by
+            self.skipped[state["groups"]] = skipped
         if isinstance(skipped, bool):
             self.read_overflow = self.read_overflow or skipped
         else:
@@ -162,12 +283,14 @@ class Iteration:
         state = self.states.get(id(optimizer))
         if state is not None and state["stage"] is OptState.READY:
             if not state["found_inf_per_device"]:
-                del self.states[id(optimizer)]
+                for key in [k for k, s in self.states.items() if s is state]:
+                    del self.states[key]
 
     def abandon(self) -> None:
         """The iteration ends without an update: its records are cleared."""
         self.states = defaultdict(fresh_state)
-        self.pre_unscaled = {}
+        self.pre_unscaled, self.clipped, self.carried = {}, {}, {}
+        self.unscaled_open, self.earlier = False, None
         self.ever_scaled, self.stale = self.ever_scaled or self.scaled_here, False
         self.last_scaled, self.scaled_here, self.blind = self.scaled_here, False, False
         self.read_overflow = False
@@ -190,6 +313,25 @@ class Iteration:
         """A checkpoint was loaded: a step before the next ``scale()`` is checkpoint plumbing."""
         self.last_scaled = None
         self.ever_scaled = False
+
+    def scaled_elsewhere(
+        self, anyone: torch.Tensor | None, params: list[Any], what: str, written: bool = False
+    ) -> bool:
+        """This rank checked gradients (``params``') with no ``scale()`` since the scaler was
+        made or loaded: whether another rank scaled (``anyone``, from the agreement; None: no
+        other rank), so that these are its scaled gradients (an idle rank's, from the data
+        parallel reduction). One host read (idle ranks only).
+
+        Raises:
+            NotScaledError: no rank scaled and a gradient is not zero (a ``backward()`` of an
+                unscaled loss). Zero gradients (checkpoint plumbing's step) are no error.
+        """
+        if anyone is not None and bool(anyone):
+            return True
+        if _grads.any_nonzero(params, self.pre_unscaled):
+            then = "they were divided by the scale" if written else "nothing was unscaled"
+            raise NotScaledError(_NOT_SCALED.format(what=what, then=then))
+        return False
 
     # -------------------------------------------------------------------- queries
     def vote(self) -> bool:
@@ -242,7 +384,10 @@ class Iteration:
         """The iteration's inf checks: every recorded flag, and the optimizers they belong to.
         When only ``clip_grad_norm_(params)`` ran, its flags (as torch's update after
         ``unscale_`` alone: the checks made are what counts)."""
-        live = [s for s in self.states.values() if s["found_inf_per_device"]]
+        live: list[dict[str, Any]] = []
+        for s in self.states.values():  # a wrapper's record is its inner optimizer's: once
+            if s["found_inf_per_device"] and not any(s is t for t in live):
+                live.append(s)
         flags = [f for s in live for f in s["found_inf_per_device"].values()]
         if not flags:
             flags = list({id(f): f for f in self.pre_unscaled.values()}.values())
@@ -253,10 +398,29 @@ class Iteration:
         or a folded clip: the kernel unscales in its own math)."""
         return frozenset(k for k, s in self.states.items() if s.get("grad_scale") is not None)
 
+    def last_skipped(self, optimizer: Any = None) -> torch.Tensor:
+        """Whether the last step of ``optimizer`` (or of the last iteration, for None) was
+        skipped, as a 0-d bool tensor (``ShardedGradScaler.last_step_skipped``).
+
+        Raises:
+            RuntimeError: no step has been taken yet (for this optimizer).
+        """
+        if optimizer is not None:
+            flag = self.skipped_flag(optimizer)
+            if flag is None:
+                raise RuntimeError("last_step_skipped(): this optimizer has not been stepped yet.")
+            return flag
+        if self.last is None:
+            raise RuntimeError("last_step_skipped(): update() has not been called yet.")
+        return self.last.found_inf > 0
+
     def skipped_flag(self, optimizer: Any) -> torch.Tensor | None:
         """Whether ``optimizer``'s last step was skipped, as a 0-d bool tensor (None: never
         stepped)."""
         flag = self.skipped.get(id(optimizer))
+        groups = getattr(optimizer, "param_groups", None)
+        if flag is None and groups:  # a wrapper of the optimizer stepped, or the reverse
+            flag = self.skipped.get(id(groups[0]))
         if isinstance(flag, bool):
             return torch.tensor(flag, device="cpu")
         return flag

@@ -22,7 +22,7 @@ from torch.distributed.algorithms.join import Joinable
 from . import _checkpoint, _clip, _grads, _join, _numerics, _stepping, _sync
 from ._alarm import POLL_EVERY, Alarm, Schedule
 from ._config import ScalerConfig, check_device, check_new_scale, settings
-from ._iteration import Iteration, LastStep
+from ._iteration import ORDER, STALE, Iteration, LastStep
 from ._numerics import Numerics
 from ._policy import HostBounds, LossScale, Numbers, count_, step_
 from ._protocol import TorchInternals, is_optimizer, step_kind
@@ -30,15 +30,6 @@ from ._report import OverflowReport, Reporter, collapse_error, name_params
 
 logger = logging.getLogger("shardscale")
 
-_STALE = (
-    "ShardedGradScaler: an optimizer is stepped (or unscaled) after update() with no scale() "
-    "since: its gradients were scaled before that update(), by a scale update() may have "
-    "changed. Call update() once per iteration, after every optimizer's step(): "
-    "scale(loss).backward() -> step(opt_1) ... step(opt_n) -> update()."
-)
-_ORDER = (
-    "scaler.scale(loss).backward() -> [scaler.unscale_(opt)] -> scaler.step(opt) -> scaler.update()"
-)
 __all__ = ["ShardedGradScaler", "OptState", "POLL_EVERY"]
 
 
@@ -210,8 +201,8 @@ class ShardedGradScaler(
         then exactly one all-reduce (MAX) of the flag per process group. No host read.
 
         Raises:
-            RuntimeError: called twice for this optimizer in one iteration, or after
-                :meth:`step`.
+            RuntimeError: called twice for this optimizer in one backward pass, or after
+                :meth:`step`; gradients no rank scaled, or added to unscaled ones (both named).
             TypeError: ``optimizer`` is not an optimizer.
             ValueError: a gradient's elements share memory (an expanded view), named, before
                 anything is written.
@@ -226,10 +217,10 @@ class ShardedGradScaler(
             self._fail(
                 1,
                 "unscale_() has already been called on this optimizer since the last update(); "
-                f"call it at most once per optimizer per iteration: {_ORDER}.",
+                f"call it at most once per optimizer per iteration: {ORDER}.",
             )
         if state["stage"] is OptState.STEPPED:
-            self._fail(3, f"unscale_() is being called after step(); the order is {_ORDER}.")
+            self._fail(3, f"unscale_() is being called after step(); the order is {ORDER}.")
         self._check(optimizer, state, unscale=True)
 
     def _check(self, optimizer: Any, state: dict[str, Any], unscale: bool) -> dict[str, Any]:
@@ -238,16 +229,17 @@ class ShardedGradScaler(
         scale may be below 1) and those a clip of parameters unscaled. ONE all-reduce
         (:func:`_sync.agree`: the flag, step, check ordinal, scale and policy): ranks that
         differ set the flag (the step is skipped) and the alarm, read at the first agreement
-        since made or loaded and by :meth:`update`, raises naming what differs. On error the
-        iteration is not started."""
+        since made or loaded and by :meth:`update`, raises naming what differs. A rank with no
+        ``scale()`` since made or loaded unscales once the agreement says another rank scaled
+        (else its gradients must be zero). On error the iteration is not started."""
         it, tensors, unit = self._it, self._loss_scale.tensors, self._loss_scale.unit
         home = tensors.scale.device
+        idle = not (it.scaled_here or it.ever_scaled)
         try:
-            flags = self._unscale_grads_(
-                optimizer, _grads.inv_scale(tensors.scale) if unscale else unit, None
-            )
+            inv = _grads.inv_scale(tensors.scale) if unscale else unit
+            flags = self._unscale_grads_(optimizer, unit if idle else inv, None)
             if flags and it.saw_gradients():
-                warnings.warn(_STALE, RuntimeWarning, stacklevel=4)
+                warnings.warn(STALE, RuntimeWarning, stacklevel=4)
             local = _grads.combine_flags(flags, home)
             if unscale and self._bounds.below_one:  # 1/scale > 1: finite values may overflow
                 local = torch.maximum(
@@ -269,6 +261,9 @@ class ShardedGradScaler(
                     self._verify = False
                     if bool(bad):
                         self._poll()
+            params = list(_grads.iter_params(optimizer)) if idle and flags else None
+            if params and it.scaled_elsewhere(anyone, params, "step or unscale_") and unscale:
+                self._unscale_grads_(optimizer, inv, None)  # another rank's scaled gradients
         except BaseException:
             it.failed(optimizer)
             raise
@@ -295,8 +290,8 @@ class ShardedGradScaler(
 
         Raises:
             RuntimeError: twice for this optimizer in one iteration, with a ``closure`` (as
-                torch), or when the ranks disagree (another step, another check).
-            ValueError: as :meth:`unscale_`, before anything is written or stepped.
+                torch), when the ranks disagree (another step, another check), or as
+                :meth:`unscale_`; ValueError: as :meth:`unscale_` (nothing written or stepped).
         """
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
@@ -307,12 +302,14 @@ class ShardedGradScaler(
             self._fail(
                 1,
                 "step() has already been called on this optimizer since the last update(); "
-                f"the order is {_ORDER}, with update() once per iteration.",
+                f"the order is {ORDER}, with update() once per iteration.",
             )
         kind = step_kind(optimizer)
         if kind == "plain":
             if state["stage"] is OptState.READY:
                 self._unscale(optimizer, state)
+            elif state.get("grad_scale") is not None:  # a clip folded for a fused inner optimizer
+                self._unscale_grads_(optimizer, _grads.inv_scale(state.pop("grad_scale")), None)
             retval = self._plain_step(optimizer, state, args, kwargs)
         elif kind == "grad_scaler":
             retval = self._grad_scaler_step(optimizer, state, args, kwargs)
@@ -333,9 +330,9 @@ class ShardedGradScaler(
     def _fused_step(self, optimizer: Any, state: dict[str, Any], args: Any, kwargs: Any) -> Any:
         scale = self._loss_scale.tensors.scale
         if state["stage"] is OptState.READY:
-            if self._bounds.below_one or self._it.pre_unscaled_in(optimizer):
-                # part is unscaled already, or the scale may be below 1 (the kernel's 1/scale
-                # could overflow unseen): unscale in place, checked
+            if self._bounds.below_one or _grads.unscaled_or_tied(optimizer, self._it.pre_unscaled):
+                # part is unscaled already, a tied parameter, or the scale may be below 1 (the
+                # kernel's 1/scale could overflow unseen): unscale in place, checked
                 self._unscale(optimizer, state)
             else:
                 self._check(optimizer, state, unscale=False)["grad_scale"] = scale
@@ -393,7 +390,7 @@ class ShardedGradScaler(
             self._fail(
                 2,
                 "update() was called but no optimizer was stepped or unscaled since the last "
-                f"update(); the order is {_ORDER}.",
+                f"update(); the order is {ORDER}.",
             )
         self._lazy_init_scale_growth_tracker(self._device)  # update(new_scale) first
         state = self._loss_scale.tensors
@@ -542,8 +539,8 @@ class ShardedGradScaler(
             TypeError, ValueError: a bad argument or gradient (a Partial DTensor, shared memory),
                 before anything is written.
             RuntimeError: after :meth:`step` in the iteration, parameters mixing unscaled and
-                scaled gradients, or ``error_if_nonfinite`` and a non-finite norm (nothing
-                written then).
+                scaled gradients, ``error_if_nonfinite`` and a non-finite norm (nothing written
+                then), or as :meth:`unscale_`.
             NotImplementedError: several process groups / a multi-dimensional mesh, or DTensor
                 gradients on a mesh other than the scaler's group.
         """
@@ -558,6 +555,8 @@ class ShardedGradScaler(
         return total
 
     def _clip_grad_norm(self, target: Any, args: _clip.ClipArgs) -> torch.Tensor:
+        if self._it.carried:  # the first call after a new backward pass
+            self._it.settle()
         is_opt = is_optimizer(target)
         params = list(_grads.iter_params(target)) if is_opt else target
         group = _clip.single_group(_sync.resolve_groups(self.process_group))
@@ -583,9 +582,10 @@ class ShardedGradScaler(
             raise _clip.refused("after step")
         # a scale below 1 is not folded (the kernel's division could overflow unseen)
         fused = step_kind(target) != "plain" and not self._bounds.below_one
+        fused = fused and not _grads.unscaled_or_tied(target, ())  # tied: unscaled in place
         try:
             total, state["grad_scale"], found_inf, anyone = self._norm_and_clip(
-                buckets, group, fused, args
+                buckets, params, group, fused, args
             )
         except BaseException:
             self._it.failed(target)
@@ -593,18 +593,23 @@ class ShardedGradScaler(
         self._it.checked(target, state, found_inf, anyone, unscaled=True)
         return total
 
-    def _norm_and_clip(self, buckets: Any, group: Any, fused: bool, args: _clip.ClipArgs) -> Any:
-        scale = self._loss_scale.tensors.scale
+    def _norm_and_clip(self, buckets: Any, params: Any, group: Any, fused: bool, args: Any) -> Any:
+        it, scale = self._it, self._loss_scale.tensors.scale
         inv, low = _grads.inv_scale(scale), self._bounds.below_one
-        return _clip.norm_and_clip(
-            buckets, scale, inv, args.p, args.max_norm, group, fused, self._it.vote(), low,
-            **args.opts,
-        )  # fmt: skip
+        idle = buckets and not (it.scaled_here or it.ever_scaled)  # refused before any write
+        if idle and group is None:  # on one process: no other rank scaled
+            it.scaled_elsewhere(None, params, "clip_grad_norm_")
+        out = _clip.norm_and_clip(
+            buckets, scale, inv, args.p, args.max_norm, group, fused, it.vote(), low, **args.opts
+        )
+        if idle and group is not None:  # the clip's all-reduce tells whether another rank did
+            it.scaled_elsewhere(out[3], params, "clip_grad_norm_", written=True)
+        return out
 
     def _clip_params(self, buckets: Any, params: list[Any], group: Any, args: Any) -> Any:
         if _clip.unscaled_already(self._it.stages_of(params), params):
             return _clip.clip_unscaled(buckets, args.p, args.max_norm, group, **args.opts)
-        total, _, found_inf, _ = self._norm_and_clip(buckets, group, False, args)
+        total, _, found_inf, _ = self._norm_and_clip(buckets, params, group, False, args)
         self._it.clipped_params(params, found_inf)
         return total
 
@@ -624,14 +629,7 @@ class ShardedGradScaler(
         """
         if not self._enabled:
             return torch.tensor(False, device="cpu")
-        if optimizer is not None:
-            flag = self._it.skipped_flag(optimizer)
-            if flag is None:
-                raise RuntimeError("last_step_skipped(): this optimizer has not been stepped yet.")
-            return flag
-        if self._it.last is None:
-            raise RuntimeError("last_step_skipped(): update() has not been called yet.")
-        return self._it.last.found_inf > 0
+        return self._it.last_skipped(optimizer)
 
     def metrics(self) -> dict[str, float | int]:
         """Plain numbers for loggers: ``scale``, ``growth_tracker``, ``hysteresis_tracker``,
@@ -735,15 +733,16 @@ class ShardedGradScaler(
         changes: on error the scaler is left exactly as it was.
 
         Raises:
-            RuntimeError: empty dict (saved from a disabled scaler), or called mid-iteration.
+            RuntimeError: empty dict (saved from a disabled scaler), or called mid-iteration
+                (after :meth:`scale`: the gradients are the scale's in force).
             TypeError, ValueError: a missing key or a bad value, named in the message.
         """
         if not self._enabled:
             return
-        if self._it.started():
+        if self._it.started() or self._it.scaled_here:  # the gradients: the old scale's
             raise RuntimeError(
-                "load_state_dict() was called in the middle of an iteration (after unscale_/step, "
-                "before update()); load the state at an iteration boundary."
+                "load_state_dict() was called in the middle of an iteration (after scale(), "
+                "unscale_ or step): load at an iteration boundary (after update() or abandon())."
             )
         loaded = _checkpoint.parse_state_dict(state_dict, self._config, self._asked)
         self._loss_scale.load(loaded.numbers)
