@@ -234,10 +234,10 @@ class ShardedGradScaler(
         different steps or checks set the flag (the step is skipped) and the alarm, read by
         :meth:`update`, raises naming the mismatch. On error the iteration is not started."""
         it, tensors, unit = self._it, self._loss_scale.tensors, self._loss_scale.unit
-        home = tensors.scale.device
+        home, math = tensors.scale.device, self._loss_scale.math
         try:
             flags = self._unscale_grads_(
-                optimizer, _grads.inv_scale(tensors.scale) if unscale else unit, None
+                optimizer, _grads.inv_scale(tensors.scale, math) if unscale else unit, None
             )
             if flags and it.saw_gradients():
                 warnings.warn(_STALE, RuntimeWarning, stacklevel=4)
@@ -581,7 +581,7 @@ class ShardedGradScaler(
 
     def _norm_and_clip(self, buckets: Any, group: Any, fused: bool, args: _clip.ClipArgs) -> Any:
         scale = self._loss_scale.tensors.scale
-        inv, low = _grads.inv_scale(scale), self._bounds.below_one
+        inv, low = _grads.inv_scale(scale, self._loss_scale.math), self._bounds.below_one
         return _clip.norm_and_clip(
             buckets, scale, inv, args.p, args.max_norm, group, fused, self._it.vote(), low,
             **args.opts,
