@@ -273,9 +273,9 @@ class ShardedGradScaler(
         (the scale times any ``grad_scale`` the user set, so the kernel unscales in fp32; the
         user's alone if :meth:`unscale_` already did; restored afterwards) and
         ``optimizer.found_inf`` (the agreed flag; the kernel skips): no host read. An optimizer
-        whose ``step`` takes ``grad_scaler=`` gets ``grad_scaler=self`` (with torch's
-        ``FutureWarning``) and does its own unscaling. :meth:`last_step_skipped` tells whether
-        the step was skipped.
+        whose class's ``step`` takes ``grad_scaler=`` (even wrapped) gets ``grad_scaler=self``
+        (with torch's ``FutureWarning``) and unscales itself. :meth:`last_step_skipped` tells
+        whether the step was skipped.
 
         Returns:
             What ``optimizer.step(*args, **kwargs)`` returned; None if a non-fused step was
