@@ -69,7 +69,7 @@ class Alarm:
         None, and the current scale.
 
         Raises:
-            RuntimeError: the ranks disagreed (another step or another optimizer), named.
+            RuntimeError: the ranks disagreed (another step, or another check ordinal), named.
         """
         values = torch.cat(
             [

@@ -9,7 +9,6 @@ device noticed, ``_report`` reports, ``_checkpoint`` state dicts and pickling, `
 
 from __future__ import annotations
 
-import logging
 import warnings
 import weakref
 from collections.abc import Iterable, Mapping
@@ -21,13 +20,11 @@ from torch.distributed.algorithms.join import Joinable
 
 from . import _checkpoint, _clip, _grads, _join, _stepping, _sync
 from ._alarm import POLL_EVERY, Alarm, Schedule
-from ._config import ScalerConfig, check_device, check_new_scale, settings
+from ._config import ScalerConfig, check_device, check_flag, check_new_scale, guard_kwargs, settings
 from ._iteration import Iteration, LastStep
 from ._policy import HostBounds, LossScale, Numbers, count_, step_
 from ._protocol import TorchInternals, is_optimizer, step_kind
 from ._report import OverflowReport, Reporter, collapse_error, name_params
-
-logger = logging.getLogger("shardscale")
 
 _STALE = (
     "ShardedGradScaler: an optimizer is stepped (or unscaled) after update() with no scale() "
@@ -53,8 +50,8 @@ class ShardedGradScaler(
     * **Agreement.** Each optimizer's found-inf flag is all-reduced (MAX) in exactly one
       collective per ``unscale_`` (one per mesh dimension for a DeviceMesh), so every rank skips
       the same steps; fused optimizers receive the agreed flag. The same all-reduce carries the
-      step count and the check's ordinal in the iteration: ranks that call the scaler
-      differently get an error naming the mismatch instead of diverging.
+      step count and the check's ordinal in the iteration: ranks at another step or check get
+      an error naming the mismatch instead of diverging.
     * **Any gradient.** Plain, FSDP2 DTensor shards (the local shard is unscaled), FSDP1 flat
       parameters, CPU-offloaded next to device ones, fp32/fp16/bf16, sparse, ranks holding no
       shard. The kernel is torch's on every device.
@@ -74,7 +71,7 @@ class ShardedGradScaler(
     Args:
         device: as ``torch.amp.GradScaler``'s; the scale lives on the device of the first tensor
             given to :meth:`scale`. Default ``"cuda"`` if available, else ``"cpu"``.
-        init_scale: initial loss scale (finite, > 0). Default 2**16.
+        init_scale: initial loss scale (finite, > 0). Default 2**16, clamped into the bounds.
         growth_factor: > 1. Default 2.0.
         backoff_factor: in (0, 1). Default 0.5.
         growth_interval: clean steps before growth, >= 1. Default 2000.
@@ -85,8 +82,9 @@ class ShardedGradScaler(
         min_scale, max_scale, hysteresis, consecutive_hysteresis, max_consecutive_skips,
         on_collapse, dynamic: the policy beyond torch's, see :class:`ScalerConfig`.
         report_overflows: if True, ``update()`` reads the agreed flag (one host read per
-            iteration) and logs an :class:`OverflowReport` as a warning on the ``"shardscale"``
-            logger after each overflowing iteration (one scan and one all-gather then).
+            iteration) and logs every rank's :class:`OverflowReport` once (on rank 0) as a
+            warning on the ``"shardscale"`` logger after each overflowing iteration (one scan
+            and one all-gather then).
         param_names: an ``nn.Module`` or ``{name: parameter}`` map naming parameters in reports.
         rank_local_params: True when the ranks hold *different* parameters (pipeline stages):
             :meth:`clip_grad_norm_` sums every gradient over ranks. False (default) for
@@ -99,7 +97,7 @@ class ShardedGradScaler(
     def __init__(
         self,
         device: str | torch.device | None = None,
-        init_scale: float = 2.0**16,
+        init_scale: float | None = None,
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
@@ -151,8 +149,7 @@ class ShardedGradScaler(
         """A scaler for bf16/fp32 training: the scale fixed (at 1.0, or ``init_scale`` if
         given), non-finite steps still skipped on every rank, reports as in fp16 mode. ``kwargs``
         go to the constructor (e.g. ``max_consecutive_skips``, ``report_overflows``)."""
-        kwargs.setdefault("init_scale", 1.0)
-        return cls(process_group=process_group, dynamic=False, **kwargs)
+        return cls(process_group=process_group, **guard_kwargs(kwargs))
 
     @property
     def _names(self) -> Any:
@@ -414,7 +411,7 @@ class ShardedGradScaler(
             bounds.after_update(config, seen_clean)
         if last is not None and self._report_overflows and bool(last.found_inf > 0):
             groups = _sync.resolve_groups(self.process_group)
-            logger.warning("%s", self._reporter.build(last, groups, self._calls.shadowing))
+            self._reporter.log(last, groups, self._calls.shadowing)  # once, all ranks' entries
         refresh = config.plain and not bounds.free(config)
         if self._schedule.update_due(read_overflow, bounds.below_one, refresh):
             self._poll()
@@ -650,8 +647,7 @@ class ShardedGradScaler(
                 ``all_gather_object`` when the iteration overflowed), which every rank of the
                 process group must call.
         """
-        if not isinstance(all_ranks, bool):
-            raise TypeError(f"all_ranks must be a bool, got {all_ranks!r}.")
+        all_ranks = check_flag("all_ranks", all_ranks)
         groups = _sync.resolve_groups(self.process_group)
         shadowing = self._calls.shadowing
         tensors = self._loss_scale.tensors

@@ -102,8 +102,11 @@ class ShardscalePrecision(_TrainerFSDPPrecision, _FabricFSDPPrecision):
 
     Args:
         precision: ``"16-mixed"`` or ``"bf16-mixed"``.
-        device: the autocast device type (``"cuda"``, ``"cpu"``, ...). None: the device of the
-            model's parameters in the Trainer; in Fabric ``"cuda"`` if available, else ``"cpu"``.
+        device: the autocast device: a device type (``"cuda"``, ``"cpu"``, ...), a string or
+            ``torch.device`` naming one (``"cuda:0"``), or any object whose ``.type`` is one.
+            None: the device of the model's parameters in the Trainer; in Fabric (and until the
+            Trainer connects) ``"cuda"`` if available, else ``"cpu"``. :attr:`device` is always
+            the device type in use, as Lightning's ``MixedPrecision.device``.
         scaler: a ready :class:`~shardscale.ShardedGradScaler` (e.g. with a ``process_group``);
             None: built from ``scaler_kwargs``.
         **scaler_kwargs: keyword arguments of :class:`~shardscale.ShardedGradScaler`
@@ -128,8 +131,7 @@ class ShardscalePrecision(_TrainerFSDPPrecision, _FabricFSDPPrecision):
                 f"ShardscalePrecision(precision={precision!r}): precision must be one of "
                 f"{_PRECISIONS}; for '32-true', '16-true' or 'bf16-true' use Lightning's plugins."
             )
-        if device is not None and not isinstance(device, str):
-            raise TypeError(f"device must be a str such as 'cuda' or 'cpu', got {device!r}.")
+        kind = _device_type(device)
         if scaler is not None:
             if not isinstance(scaler, ShardedGradScaler):
                 raise TypeError(
@@ -141,8 +143,8 @@ class ShardscalePrecision(_TrainerFSDPPrecision, _FabricFSDPPrecision):
                     f"({', '.join(sorted(scaler_kwargs))}), not both."
                 )
         else:  # two explicit calls: LightningCLI (jsonargparse) reads scaler_kwargs' names here
-            if device is not None:
-                scaler_kwargs.setdefault("device", device)
+            if kind is not None:
+                scaler_kwargs.setdefault("device", kind)
             if precision == "16-mixed":
                 scaler = ShardedGradScaler(**scaler_kwargs)
             else:
@@ -150,10 +152,12 @@ class ShardscalePrecision(_TrainerFSDPPrecision, _FabricFSDPPrecision):
         # Lightning's FSDPPrecision.__init__ is not called: it reads self.precision before setting
         # it (issue #19803) and builds torch's ShardedGradScaler.
         self.precision = precision  # type: ignore[assignment]
-        self.device = device
+        #: the autocast device type (``"cuda"``, ``"cpu"``, ...)
+        self.device: str = kind or ("cuda" if torch.cuda.is_available() else "cpu")
         self.scaler = scaler
         self._dtype = torch.float16 if precision == "16-mixed" else torch.bfloat16
-        self._autocast_device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self._device_given = kind is not None
+        self._fold = False  # set while Lightning's loop clips right before the step
         self._in_trainer = False  # set by connect(): the Trainer's protocol, else Fabric's
         self._model: torch.nn.Module | None = None
         self._unscaled: set[int] = set()  # optimizers unscaled (or clipped) in this iteration
@@ -183,9 +187,9 @@ class ShardscalePrecision(_TrainerFSDPPrecision, _FabricFSDPPrecision):
         return contextlib.nullcontext()
 
     def forward_context(self) -> contextlib.AbstractContextManager:
-        if self._dtype == torch.float16 and self._autocast_device == "cpu":
+        if self._dtype == torch.float16 and self.device == "cpu":
             _warn_cpu_fp16()
-        return torch.autocast(self._autocast_device, dtype=self._dtype, cache_enabled=False)
+        return torch.autocast(self.device, dtype=self._dtype, cache_enabled=False)
 
     def convert_input(self, data: Any) -> Any:
         return data  # autocast casts; FSDP1 casts its root's inputs to param_dtype
@@ -292,7 +296,7 @@ class ShardscalePrecision(_TrainerFSDPPrecision, _FabricFSDPPrecision):
         optimizer = _unwrap(optimizer)
         if id(optimizer) not in self._unscaled:
             try:
-                norm = self.scaler.clip_grad_norm_(optimizer, clip_val)
+                norm = self.scaler.clip_grad_norm_(optimizer, clip_val, fold=self._fold)
             except NotImplementedError:
                 pass  # several groups or a 2-D mesh (HSDP, TP): refused before any write
             else:
