@@ -494,16 +494,18 @@ class ShardedGradScaler(
         norm_type: float | str = 2.0,
         error_if_nonfinite: bool = False,
         foreach: bool | None = None,
+        *,
+        fold: bool = True,
     ) -> torch.Tensor:
         """Unscale, compute the global gradient norm across shards and ranks, and clip.
 
         ``scaler.unscale_(opt)`` then ``torch.nn.utils.clip_grad_norm_`` on the *unsharded*
         model, with :meth:`unscale_`'s agreement, in one read pass, ONE all-reduce (none without
-        a group) and one write pass (none for a fused optimizer: folded into its
-        ``grad_scale``). Replicas (plain, DDP, DTensor ``Replicate``, FSDP1 ``NO_SHARD``) count
-        once, shards are summed. The optimizer is then UNSCALED with its agreed flag. After
-        ``unscale_`` (torch's recipe) or a first clip, and when disabled, it clips the gradients
-        as they are (one all-reduce of the norm). See :mod:`shardscale._clip`.
+        a group) and one write pass (none for a fused optimizer: see ``fold``). Replicas
+        (plain, DDP, DTensor ``Replicate``, FSDP1 ``NO_SHARD``) count once, shards are summed.
+        The optimizer is then UNSCALED with its agreed flag. After ``unscale_`` (torch's recipe)
+        or a first clip, and when disabled, it clips the gradients as they are (one all-reduce
+        of the norm). See :mod:`shardscale._clip`.
 
         Args:
             optimizer_or_params: the optimizer whose gradients to clip, or a tensor / iterable
@@ -516,6 +518,8 @@ class ShardedGradScaler(
                 with a scaler such a norm means an overflow, which is otherwise skipped).
             foreach: as torch's: None or True use the ``torch._foreach_*`` kernels, False one
                 kernel per tensor.
+            fold: False: write the unscaled, clipped gradients always. True: a fused optimizer
+                gets them folded into its ``grad_scale`` instead where :func:`_clip.may_fold`.
 
         Returns:
             The total norm of the unscaled gradients over all ranks and shards, a 0-d float32
@@ -533,7 +537,7 @@ class ShardedGradScaler(
         target: Any = optimizer_or_params
         if not is_optimizer(target):
             target = _clip.param_list(target)  # a generator is read once
-        args = _clip.ClipArgs.check(max_norm, norm_type, error_if_nonfinite, foreach)
+        args = _clip.ClipArgs.check(max_norm, norm_type, error_if_nonfinite, foreach, fold)
         total = self._clip_grad_norm(target, args)
         self._calls.note(
             "clip_grad_norm_", target, max_norm, norm_type, error_if_nonfinite, foreach
@@ -564,8 +568,7 @@ class ShardedGradScaler(
         if state["stage"] is not OptState.READY:
             self._it.failed(target)
             raise _clip.refused("after step")
-        # a scale below 1 is not folded (the kernel's division could overflow unseen)
-        fused = step_kind(target) != "plain" and not self._bounds.below_one
+        fused = step_kind(target) != "plain" and _clip.may_fold(target, args, self._bounds)
         try:
             total, state["grad_scale"], found_inf, anyone = self._norm_and_clip(
                 buckets, group, fused, args

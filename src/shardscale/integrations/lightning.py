@@ -83,15 +83,17 @@ class ShardscalePrecision(_TrainerFSDPPrecision, _FabricFSDPPrecision):
     Gradients (Trainer): ``on_before_optimizer_step`` and ``configure_gradient_clipping`` see
     unscaled gradients, as with Lightning's ``MixedPrecision`` (fused optimizers too, where
     Lightning leaves them scaled). When neither the LightningModule nor a callback overrides those
-    hooks, nobody can look at the gradients between backward and step, so the unscale is left to
-    the clip or the step: ``gradient_clip_val`` with ``gradient_clip_algorithm="norm"`` then runs
-    ``scaler.clip_grad_norm_`` (unscale, global norm over shards and ranks, clip: one read pass,
-    one all-reduce, no write pass with a fused optimizer). Otherwise the clip runs on the
-    unscaled gradients: the FSDP1 root's ``clip_grad_norm_`` when Lightning wrapped the model,
-    else ``scaler.clip_grad_norm_`` after ``unscale_`` (the norm over shards and ranks: plain,
-    DDP, FSDP1 flat or original parameters, FSDP2), or ``torch.nn.utils.clip_grad_norm_`` for
-    DTensors on a 2-D mesh (HSDP, tensor parallelism), which the scaler's norm refuses. Norm
-    clipping works with fused optimizers (Lightning's ``MixedPrecision`` refuses them). Fabric: ``fabric.clip_gradients``
+    hooks, nobody can look at the gradients between backward and step, so the unscale is left to the
+    clip or the step: ``gradient_clip_val`` with ``gradient_clip_algorithm="norm"`` then runs
+    ``scaler.clip_grad_norm_`` (unscale, global norm over shards and ranks, clip: one read pass, one
+    all-reduce; with a fused optimizer no write pass, the clip folded into its step, unless a step
+    hook is registered on it). Manual optimization's ``self.clip_gradients`` writes the clipped
+    gradients (user code may read them before ``opt.step()``). Otherwise the clip runs on the
+    unscaled gradients: the FSDP1 root's ``clip_grad_norm_`` when Lightning wrapped the model, else
+    ``scaler.clip_grad_norm_`` after ``unscale_`` (the norm over shards and ranks: plain, DDP, FSDP1
+    flat or original parameters, FSDP2), or ``torch.nn.utils.clip_grad_norm_`` for DTensors on a 2-D
+    mesh (HSDP, tensor parallelism), which the scaler's norm refuses. Norm clipping works with fused
+    optimizers (Lightning's ``MixedPrecision`` refuses them). Fabric: ``fabric.clip_gradients``
     unscales first through :meth:`unscale_gradients`; pass ``error_if_nonfinite=False`` there, or an
     overflow step (which the scaler skips) raises in torch's clip.
 
@@ -206,10 +208,10 @@ class ShardscalePrecision(_TrainerFSDPPrecision, _FabricFSDPPrecision):
         """Called by the Trainer's strategy once the model is set up (Fabric never calls it)."""
         self._in_trainer, self._model, self._eager_unscale = True, model, None
         self._unscaled.clear()
-        if self.device is None:
+        if not self._device_given:
             first = next(iter(model.parameters()), None)
             if first is not None and first.device.type != "meta":
-                self._autocast_device = first.device.type
+                self.device = first.device.type
         return model, optimizers, lr_schedulers
 
     def teardown(self) -> None:
@@ -254,7 +256,14 @@ class ShardscalePrecision(_TrainerFSDPPrecision, _FabricFSDPPrecision):
             self._eager_unscale = _hooks_read_gradients(model)
         if self._eager_unscale:
             self.unscale_gradients(optimizer)
-        self._after_closure(model, optimizer)  # on_before_optimizer_step, then the clip
+        # on_before_optimizer_step, then the clip, then the step: nothing of Lightning's reads
+        # the gradients between the clip and the step, so a fused optimizer's clip may fold
+        # (manual optimization clips in user code, which may read them: no fold there)
+        self._fold = model.automatic_optimization
+        try:
+            self._after_closure(model, optimizer)
+        finally:
+            self._fold = False
         return self._step(optimizer, **kwargs)
 
     def _step(self, optimizer: Any, **kwargs: Any) -> Any:
@@ -328,6 +337,23 @@ class ShardscalePrecision(_TrainerFSDPPrecision, _FabricFSDPPrecision):
             if checkpoint.get(key):
                 self.scaler.load_state_dict(checkpoint[key])
                 return
+
+
+def _device_type(device: Any) -> str | None:
+    """The device type ``device`` names (None for None).
+
+    Raises:
+        TypeError: not a str, a ``torch.device`` or an object whose ``.type`` is a str.
+    """
+    if device is None:
+        return None
+    kind = device if isinstance(device, str) else getattr(device, "type", None)
+    if not isinstance(kind, str):
+        raise TypeError(
+            "device must be a device type such as 'cuda' or 'cpu', a torch.device or an object "
+            f"whose .type is one, got {device!r}."
+        )
+    return torch.device(kind).type
 
 
 def _unwrap(optimizer: Any) -> Any:
