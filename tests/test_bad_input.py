@@ -197,7 +197,7 @@ for cid, kw, exc, match in [
     ("process_group_empty_list", {"process_group": []}, TypeError, "process_group must be"),
     ("process_group_list_of_int", {"process_group": [1]}, TypeError, "process_group sequence"),
     ("param_names_list", {"param_names": [T(1.0)]}, TypeError, "param names must come"),
-    ("rank_local_params_int", {"rank_local_params": 1}, TypeError, "rank_local_params must be"),
+    ("rank_local_params_int", {"rank_local_params": 2}, TypeError, "rank_local_params must be"),
     ("report_overflows_str", {"report_overflows": "no"}, TypeError, "report_overflows must be"),
     ("param_names_bad_values", {"param_names": {"w": 5}}, TypeError, "param names must map"),
 ]:
@@ -373,7 +373,7 @@ case("state_dict-extra_arg", "updated", lambda s, m, o: s.state_dict({}), TypeEr
 case(
     "overflow_report-all_ranks_int",
     "updated",
-    lambda s, m, o: s.overflow_report(1),
+    lambda s, m, o: s.overflow_report(2),
     TypeError,
     "all_ranks must be a bool",
 )

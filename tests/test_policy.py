@@ -184,7 +184,7 @@ def test_bad_policy_arguments_raise_naming_the_argument(kwargs, match):
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"hysteresis": 1.5}, {"consecutive_hysteresis": 1}, {"dynamic": "no"}]
+    "kwargs", [{"hysteresis": 1.5}, {"consecutive_hysteresis": 2}, {"dynamic": "no"}]
 )
 def test_bad_policy_argument_types_raise_type_error(kwargs):
     with pytest.raises(TypeError):

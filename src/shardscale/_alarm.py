@@ -22,9 +22,10 @@ class Alarm:
     """Device-side record of the first collapse and the first rank mismatch since the last read.
 
     Attributes:
-        collapse: 1-d float64 (float32 on MPS): ``update()`` calls after the first collapse (-1
-            if none) and the scale the collapsing step used. (Not two 0-d tensors:
-            ``torch.compile``'s AOT backends drop writes into 0-d float64 inputs.)
+        collapse: 1-d float64 (float32 where the device has no float64, as the counters):
+            ``update()`` calls after the first collapse (-1 if none) and the scale the
+            collapsing step used. (Not two 0-d tensors: ``torch.compile``'s AOT backends drop
+            writes into 0-d float64 inputs.)
         mismatch: 1-d, same dtype: 1 if the ranks disagreed, that agreement vector
             (:func:`shardscale._sync.agree`), this rank's step count and check ordinal then.
     """
@@ -68,7 +69,7 @@ class Alarm:
         None, and the current scale.
 
         Raises:
-            RuntimeError: the ranks disagreed (another step or another optimizer), named.
+            RuntimeError: the ranks disagreed (another step, or another check ordinal), named.
         """
         values = torch.cat(
             [

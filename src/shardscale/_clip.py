@@ -13,7 +13,9 @@ caller knows which gradients are sharded. Here the same job is
   (SUM, or MAX for ``norm_type=inf``) giving the global norm *and* the agreed found-inf flag;
 * **one write pass** multiplying every gradient by ``min(1, max_norm / (norm + 1e-6)) / scale``,
   or, for fused optimizers, **none**: the factor is folded into the ``grad_scale`` handed to the
-  fused kernel (``grad_scale = scale / clip_coef``).
+  fused kernel (``grad_scale = scale / clip_coef``). Until that kernel runs ``p.grad`` holds the
+  scaled, unclipped values, so the fold applies only where nothing registered can read them
+  (:func:`may_fold`: no step hook on the optimizer, none global) and ``fold`` is not False.
 
 Every function here is tensor code on the scale's device: no host synchronisation.
 """
@@ -28,8 +30,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.optim.optimizer as _optim
 
 from . import _sync
+from ._config import check_flag
 from ._grads import SharedMemoryGradError, check_bucket, local_grads, to_device
 
 try:
@@ -87,28 +91,53 @@ class ClipArgs:
         p: the norm's order, > 0 (inf for the max norm).
         error_if_nonfinite: raise on a non-finite total norm (one host read).
         foreach: use the ``torch._foreach_*`` kernels.
+        fold: a fused optimizer's clip may be folded into its ``grad_scale`` (:func:`may_fold`).
     """
 
     max_norm: float
     p: float
     error_if_nonfinite: bool
     foreach: bool
+    fold: bool = True
 
     @classmethod
     def check(
-        cls, max_norm: object, norm_type: object, error_if_nonfinite: object, foreach: object
+        cls,
+        max_norm: object,
+        norm_type: object,
+        error_if_nonfinite: object,
+        foreach: object,
+        fold: object = True,
     ) -> ClipArgs:
         """Raises TypeError/ValueError naming the bad argument."""
         max_norm_f, p = check_max_norm(max_norm), check_norm_type(norm_type)
-        if not isinstance(error_if_nonfinite, bool):
-            raise TypeError(f"error_if_nonfinite must be a bool, got {error_if_nonfinite!r}.")
-        if foreach is not None and not isinstance(foreach, bool):
-            raise TypeError(f"foreach must be None or a bool, got {foreach!r}.")
-        return cls(max_norm_f, p, error_if_nonfinite, foreach is not False)
+        error_if_nonfinite = check_flag("error_if_nonfinite", error_if_nonfinite)
+        if foreach is not None:
+            foreach = check_flag("foreach", foreach, "None or a bool")
+        fold = check_flag("fold", fold)
+        return cls(max_norm_f, p, error_if_nonfinite, foreach is not False, fold)
 
     @property
     def opts(self) -> dict[str, bool]:
         return {"error_if_nonfinite": self.error_if_nonfinite, "foreach": self.foreach}
+
+
+def may_fold(optimizer: Any, args: ClipArgs, bounds: Any) -> bool:
+    """Whether a fused ``optimizer``'s clip may be folded into its ``grad_scale`` (no write
+    pass): ``args.fold``, the scale is known to be at least 1 (``bounds``:
+    :class:`~shardscale._policy.HostBounds`; below 1 the kernel's division could overflow
+    unseen) and nothing registered can read ``p.grad`` around the kernel: no step hook on the
+    optimizer (``register_step_pre_hook`` / ``register_step_post_hook``) and no global one
+    (``torch.optim.optimizer.register_optimizer_step_pre_hook`` / ``_post_hook``). Otherwise
+    the gradients are written unscaled and clipped, as for a non-fused optimizer."""
+    return (
+        args.fold
+        and not bounds.below_one
+        and not getattr(optimizer, "_optimizer_step_pre_hooks", None)
+        and not getattr(optimizer, "_optimizer_step_post_hooks", None)
+        and not _optim._global_optimizer_pre_hooks
+        and not _optim._global_optimizer_post_hooks
+    )
 
 
 def single_group(groups: list[Any]) -> Any:

@@ -34,6 +34,16 @@ def check_real(name: str, value: object) -> float:
     return value
 
 
+def check_flag(name: str, value: object, expected: str = "a bool") -> bool:
+    """``value`` as a bool: ``True``/``False``, a NumPy bool, or the ints 0 and 1 (torch's
+    ``GradScaler`` takes ``enabled=0``); one rule for every flag. Raises TypeError naming
+    ``name``."""
+    numpy_bool = type(value).__module__ == "numpy" and "bool" in type(value).__name__
+    if isinstance(value, (bool, numbers.Integral)) and value in (0, 1) or numpy_bool:
+        return bool(value)
+    raise TypeError(f"{name} must be {expected} (True/False, or 0/1), got {value!r}.")
+
+
 #: Largest value of an int32 tracker (torch's growth tracker, our hysteresis tracker).
 INT32_MAX = 2**31 - 1
 #: Largest value of an int64 counter / setting compared with one.
@@ -192,8 +202,7 @@ class ScalerConfig:
             raise ValueError(f"max_scale ({hi}) must be >= min_scale ({lo}).")
         check_int("hysteresis", self.hysteresis, 1, INT32_MAX)  # the tracker is int32
         for name in ("consecutive_hysteresis", "dynamic"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}.")
+            object.__setattr__(self, name, check_flag(name, getattr(self, name)))
         if self.max_consecutive_skips is not None:
             check_int("max_consecutive_skips", self.max_consecutive_skips, 1)
         if self.on_collapse not in ("raise", "warn"):
@@ -227,6 +236,32 @@ class Settings:
     rank_local_params: bool
 
 
+#: The initial scale when none is given (torch's), clamped into the bounds.
+DEFAULT_INIT_SCALE = 2.0**16
+
+
+def device_type(device: object) -> str:
+    """The device type a constructor's ``device`` names: a str (``"cuda"``, ``"cuda:1"``), a
+    ``torch.device``, or any object whose ``.type`` is one (as torch's ``GradScaler`` takes
+    it); None: ``"cuda"`` if available, else ``"cpu"``.
+
+    Raises:
+        TypeError: anything else. ValueError: a string torch does not know as a device.
+    """
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    kind = device if isinstance(device, str) else getattr(device, "type", None)
+    if not isinstance(kind, str):
+        raise TypeError(
+            "device must be a str, a torch.device or an object whose .type is a device type "
+            f"string, got {type(device).__name__}."
+        )
+    try:
+        return torch.device(kind).type
+    except RuntimeError as e:
+        raise ValueError(f"device={kind!r} is not a device torch knows: {e}") from None
+
+
 def settings(
     device: object,
     init_scale: object,
@@ -236,29 +271,43 @@ def settings(
     **policy: object,
 ) -> Settings:
     """Validate ``ShardedGradScaler``'s arguments (``policy``: :class:`ScalerConfig`'s fields,
-    ``min_scale``/``max_scale`` None for their defaults) before anything is built.
+    ``min_scale``/``max_scale`` None for their defaults; ``init_scale`` None for
+    :data:`DEFAULT_INIT_SCALE` clamped into the bounds) before anything is built.
 
     Raises:
         TypeError, ValueError: the first bad argument, named, with the range it must be in.
     """
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if not isinstance(device, (str, torch.device)):
-        raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}.")
-    device_type = torch.device(device).type
-    numpy_bool = type(enabled).__module__ == "numpy" and "bool" in type(enabled).__name__
-    if not (isinstance(enabled, numbers.Integral) or numpy_bool):
-        raise TypeError(f"enabled must be a bool, got {enabled!r}.")
+    kind = device_type(device)
+    enabled = check_flag("enabled", enabled)
     fields = {k: v for k, v in policy.items() if v is not None or k == "max_consecutive_skips"}
     config = ScalerConfig(**fields)  # type: ignore[arg-type]
-    init = check_scale("init_scale", init_scale, config.min_scale, config.max_scale)
-    for name, flag in (
-        ("rank_local_params", rank_local_params),
-        ("report_overflows", report_overflows),
-    ):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {flag!r}.")
-    return Settings(device_type, bool(enabled), config, init, report_overflows, rank_local_params)
+    if init_scale is None:  # not given: torch's default, inside the bounds asked for
+        init = min(max(DEFAULT_INIT_SCALE, config.min_scale), config.max_scale)
+    else:
+        init = check_scale("init_scale", init_scale, config.min_scale, config.max_scale)
+    flags = [
+        check_flag(name, flag)
+        for name, flag in (
+            ("report_overflows", report_overflows),
+            ("rank_local_params", rank_local_params),
+        )
+    ]
+    return Settings(kind, enabled, config, init, *flags)
+
+
+def guard_kwargs(kwargs: dict[str, object]) -> dict[str, object]:
+    """``ShardedGradScaler.guard``'s constructor keywords: ``init_scale`` 1.0 unless given,
+    ``dynamic=False``.
+
+    Raises:
+        TypeError: ``dynamic`` is given (a guard's scale is fixed).
+    """
+    if "dynamic" in kwargs:
+        raise TypeError(
+            "guard() fixes the scale (dynamic=False) and takes no dynamic argument; for a "
+            "dynamic loss scale construct ShardedGradScaler(...) (dynamic=True is its default)."
+        )
+    return {"init_scale": 1.0, **kwargs, "dynamic": False}
 
 
 def check_new_scale(new_scale: object, config: ScalerConfig) -> float:

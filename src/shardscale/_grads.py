@@ -345,10 +345,11 @@ def combine_flags(flags: Mapping[torch.device, torch.Tensor], home: torch.device
     return local
 
 
-def inv_scale(scale: torch.Tensor) -> torch.Tensor:
+def inv_scale(scale: torch.Tensor, math: torch.dtype = torch.float64) -> torch.Tensor:
     """``1 / scale`` as torch's ``GradScaler`` computes it (in float64, then float32: a float32
-    division can be imprecise), in float32 where the device has no float64 (MPS)."""
-    if scale.device.type == "mps":
+    division can be imprecise); ``math=torch.float32`` where the device has no float64
+    (:func:`shardscale._policy.has_float64`)."""
+    if math != torch.float64:
         return scale.reciprocal()
     return scale.double().reciprocal().float()
 

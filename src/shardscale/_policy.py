@@ -45,9 +45,38 @@ from ._config import ScalerConfig
 COUNTER_NAMES = ("steps", "skipped_steps", "consecutive_skips", "overflows", "backoffs", "growths")
 
 
+#: ``str(device) -> whether float64 tensors work there``, found by :func:`has_float64`.
+_FLOAT64: dict[str, bool] = {}
+
+
+def _try_float64(device: torch.device) -> bool:
+    try:
+        torch.zeros(1, dtype=torch.float64, device=device)
+    except (RuntimeError, TypeError, NotImplementedError):  # MPS: TypeError; XPU: RuntimeError
+        return False
+    return True
+
+
+def has_float64(device: torch.device) -> bool:
+    """Whether ``device`` runs float64 tensors (Apple MPS and Intel Arc GPUs do not), found by
+    trying one, once per device. A probe made under a ``TorchDispatchMode`` answers for that
+    mode (which may refuse float64, as a test of such a device does) and is not remembered;
+    while ``torch.compile`` traces, the eager answer is used (float64 if none was found yet)."""
+    key = str(device)
+    known = _FLOAT64.get(key)
+    if torch.compiler.is_compiling():
+        return True if known is None else known
+    if torch._C._len_torch_dispatch_stack():
+        return _try_float64(device)
+    if known is None:
+        known = _FLOAT64[key] = _try_float64(device)
+    return known
+
+
 def math_dtype(device: torch.device) -> torch.dtype:
-    """float64 where the device has it (torch's update kernel multiplies in double); MPS has none."""
-    return torch.float32 if device.type == "mps" else torch.float64
+    """float64 where the device has it (:func:`has_float64`; torch's scaler computes 1/scale in
+    double), else float32."""
+    return torch.float64 if has_float64(device) else torch.float32
 
 
 @dataclasses.dataclass
@@ -59,10 +88,10 @@ class ScaleState:
         growth_tracker: 0-d int32, clean steps since the last growth or overflow.
         hysteresis_tracker: 0-d int32, overflows still tolerated before a backoff (with
             ``hysteresis=1`` every overflow backs off and it stays 1).
-        counters: 1-d float64 (float32 on MPS: exact up to 2**24) of length 6, in
-            :data:`COUNTER_NAMES` order: updates done, skipped steps, consecutive skipped steps,
-            overflows (optimizer steps that saw inf/NaN), backoffs (the scale went down),
-            growths (the scale went up).
+        counters: 1-d float64 (float32 where the device has no float64: exact up to 2**24) of
+            length 6, in :data:`COUNTER_NAMES` order: updates done, skipped steps, consecutive
+            skipped steps, overflows (optimizer steps that saw inf/NaN), backoffs (the scale
+            went down), growths (the scale went up).
     """
 
     scale: torch.Tensor
@@ -78,13 +107,15 @@ class ScaleState:
         growth_tracker: int,
         hysteresis_tracker: int,
         counters: tuple[int, ...] | list[int],
+        dtype: torch.dtype | None = None,
     ) -> ScaleState:
-        """Build a state on ``device`` from plain numbers."""
+        """Build a state on ``device`` from plain numbers (``dtype``: the counters', None for
+        :func:`math_dtype`)."""
         return cls(
             scale=torch.full((), scale, dtype=torch.float32, device=device),
             growth_tracker=torch.full((), growth_tracker, dtype=torch.int32, device=device),
             hysteresis_tracker=torch.full((), hysteresis_tracker, dtype=torch.int32, device=device),
-            counters=torch.tensor(list(counters), dtype=math_dtype(device), device=device),
+            counters=torch.tensor(list(counters), dtype=dtype or math_dtype(device), device=device),
         )
 
     def copy_from(self, other: ScaleState) -> None:
@@ -130,19 +161,22 @@ class LossScale:
         numbers: the state to create when placed (the initial or loaded one).
         tensors: the state on its device, or None before it is placed.
         unit: a 0-d float32 1.0 on that device (the plain update's constant).
+        math: the counters' dtype, in which ``1/scale`` is divided too (:func:`math_dtype`:
+            float64, float32 where the device has none), found when placed.
     """
 
     def __init__(self, numbers: Numbers) -> None:
         self.numbers = numbers
         self.tensors: ScaleState | None = None
         self.unit: torch.Tensor | None = None
+        self.math: torch.dtype = torch.float64
 
     def place(self, device: torch.device) -> ScaleState:
         """The tensors, created on ``device`` if they do not exist (else where they are)."""
         if self.tensors is None:
-            n = self.numbers
+            n, self.math = self.numbers, math_dtype(device)
             self.tensors = ScaleState.create(
-                device, n.scale, n.growth_tracker, n.hysteresis_tracker, n.counters
+                device, n.scale, n.growth_tracker, n.hysteresis_tracker, n.counters, self.math
             )
             self.unit = torch.ones((), dtype=torch.float32, device=device)
         return self.tensors
@@ -150,7 +184,13 @@ class LossScale:
     def move(self, device: torch.device) -> None:
         """Move the tensors to ``device`` (new tensors there)."""
         if self.tensors is not None and self.tensors.scale.device != device:
-            self.tensors = ScaleState(*(t.to(device) for t in dataclasses.astuple(self.tensors)))
+            s, self.math = self.tensors, math_dtype(device)
+            self.tensors = ScaleState(
+                s.scale.to(device),
+                s.growth_tracker.to(device),
+                s.hysteresis_tracker.to(device),
+                s.counters.to(device, self.math),  # float32 where the device has no float64
+            )
             self.unit = torch.ones((), dtype=torch.float32, device=device)
 
     def load(self, numbers: Numbers) -> None:
@@ -164,6 +204,7 @@ class LossScale:
                 n.growth_tracker,
                 n.hysteresis_tracker,
                 n.counters,
+                self.math,
             )
             self.tensors.copy_from(fresh)
         self.numbers = numbers
@@ -177,13 +218,14 @@ class LossScale:
 
     def read(self, extra: torch.Tensor | None = None) -> tuple[Numbers, float]:
         """The state as numbers, and ``extra`` (a 0-d tensor on the state's device, e.g. the
-        last found-inf flag; 0.0 if None): one host read, none before the state is placed."""
+        last found-inf flag; 0.0 if None): one host read (of :attr:`math` values), none before
+        the state is placed."""
         if self.tensors is None:
             return self.numbers, 0.0
         s = self.tensors
         last = extra if extra is not None else torch.zeros_like(s.scale)
         parts = [*dataclasses.astuple(s), last.to(s.scale.device)]
-        values = torch.cat([t.double().reshape(-1) for t in parts]).tolist()  # one read
+        values = torch.cat([t.to(self.math).reshape(-1) for t in parts]).tolist()  # one read
         counters = tuple(int(v) for v in values[3:-1])
         return Numbers(float(values[0]), int(values[1]), int(values[2]), counters), values[-1]
 

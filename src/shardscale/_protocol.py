@@ -26,13 +26,58 @@ def is_optimizer(obj: object) -> bool:
 def step_kind(optimizer: Any) -> str:
     """How ``optimizer`` takes the scale (as torch's ``GradScaler.step``): ``"plain"`` (the
     scaler unscales and decides), ``"fused"`` (``_step_supports_amp_scaling``: it gets
-    ``grad_scale`` and ``found_inf`` tensors) or ``"grad_scaler"`` (its ``step`` takes
-    ``grad_scaler=`` and unscales itself through these internals)."""
+    ``grad_scale`` and ``found_inf`` tensors) or ``"grad_scaler"`` (its class's ``step`` takes
+    ``grad_scaler=`` and unscales itself through these internals: :func:`takes_grad_scaler`)."""
     if not getattr(optimizer, "_step_supports_amp_scaling", False):
         return "plain"
-    if "grad_scaler" in inspect.signature(optimizer.step).parameters:
-        return "grad_scaler"
-    return "fused"
+    known = _TAKES_GRAD_SCALER.get(type(optimizer))
+    if known is None:
+        known = takes_grad_scaler(type(optimizer))
+    return "grad_scaler" if known else "fused"
+
+
+#: ``optimizer class -> takes_grad_scaler(class)``
+_TAKES_GRAD_SCALER: dict[type, bool] = {}
+
+
+@torch._dynamo.assume_constant_result  # traced: run once, its answer a constant of the graph
+def takes_grad_scaler(cls: type) -> bool:
+    """Whether ``cls.step`` is on torch's ``step(closure=None, *, grad_scaler=None)`` protocol,
+    read from the class (once per class), not from the bound method: an instance's ``step``
+    wrapped by a profiler, or the class's by a decorator without ``functools.wraps`` (pytorch
+    #129922), shows ``(*args, **kwargs)``. The ``step`` the class defines (the first in its MRO)
+    is looked at, through ``__wrapped__``, ``functools.partial`` and the functions a wrapper
+    closes over, for a ``grad_scaler`` parameter."""
+    known = _TAKES_GRAD_SCALER.get(cls)
+    if known is None:
+        known = _TAKES_GRAD_SCALER[cls] = _declares_grad_scaler(cls)
+    return known
+
+
+def _declares_grad_scaler(cls: type) -> bool:
+    """:func:`takes_grad_scaler`, uncached."""
+    step = next((vars(k)["step"] for k in cls.__mro__ if "step" in vars(k)), None)
+    seen: set[int] = set()
+    todo = [step] if step is not None else []
+    while todo:
+        fn = todo.pop()
+        fn = getattr(fn, "__func__", fn)  # staticmethod / classmethod
+        if id(fn) in seen or not callable(fn):
+            continue
+        seen.add(id(fn))
+        try:
+            if "grad_scaler" in inspect.signature(fn, follow_wrapped=False).parameters:
+                return True
+        except (TypeError, ValueError):  # no signature (a builtin)
+            pass
+        inner = [getattr(fn, a, None) for a in ("__wrapped__", "func")]  # wraps(), partial
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                inner.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                continue
+        todo.extend(f for f in inner if inspect.isfunction(f) or inspect.ismethod(f))
+    return False
 
 
 class TorchInternals:

@@ -7,6 +7,7 @@ The scan costs one pass over the gradients and is only run on steps that overflo
 from __future__ import annotations
 
 import dataclasses
+import logging
 import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -18,6 +19,8 @@ from ._config import ScalerConfig, round_f32
 from ._grads import grad_values, to_device
 from ._iteration import Iteration, LastStep
 from ._policy import ScaleState
+
+logger = logging.getLogger("shardscale")
 
 
 class ScaleCollapseError(RuntimeError):
@@ -317,6 +320,14 @@ class Reporter:
         report = OverflowReport(last.index, float(last.scale), tuple(entries))
         self.cached = (all_ranks, report)
         return report
+
+    def log(self, last: LastStep, groups: list[Any], shadowing: bool = False) -> None:
+        """``report_overflows``: ``last``'s report, gathered over ``groups`` (every rank takes
+        part), logged once as a warning on the ``"shardscale"`` logger, by the rank that is rank
+        0 of every group (each rank holds the same gathered report)."""
+        report = self.build(last, groups, shadowing)
+        if all(g.rank() == 0 for g in groups):
+            logger.warning("%s", report)
 
     def scan(self, optimizers: list[Any], groups: list[Any], shadowing: bool = False) -> list:
         """The non-finite gradients of ``optimizers`` on this rank, gathered over ``groups``

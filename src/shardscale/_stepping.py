@@ -6,18 +6,59 @@
 * ``grad_scaler=``: torch's older protocol, the optimizer unscales itself through the scaler's
   internals.
 
+A fused ``SGD`` with momentum whose first step is skipped: torch's kernel allocates the momentum
+buffers (``empty_like``) and returns before writing them, and the next step reads that memory
+(NaN or garbage weights; torch's scaler has the same bug). :func:`prime_momentum` gives such an
+optimizer zero buffers first: with ``dampening=0`` (the default, and nesterov) a zero buffer
+steps exactly as a missing one (``buf = 0 * momentum + grad``), skipped or not, with no host
+read. With ``dampening != 0`` it cannot (the first step sets ``buf = grad``, later ones
+``(1 - dampening) * grad``), so while buffers are missing the agreed flag is read (one host read
+per step until a step is taken) and a skipped step does not call the optimizer, as for a plain
+one: the state stays empty.
+
 The optimizer's own ``step`` is kept out of ``torch.compile`` graphs (it breaks them anyway).
 """
 
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ._grads import to_device
+
+#: fused SGDs whose momentum buffers all exist -> ``id`` of the state they exist in (a loaded
+#: state is a new one)
+_PRIMED: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+def prime_momentum(optimizer: torch.optim.SGD) -> bool:
+    """Give the momentum buffers a fused step of ``optimizer`` would create zeros (groups with
+    ``dampening=0``; see the module docstring); returns whether the step must read the flag
+    first (a group with ``dampening != 0`` still lacks buffers). Once every parameter of the
+    fused momentum groups has a buffer, the optimizer is not looked at again."""
+    read, complete, state = False, True, optimizer.state
+    for group in optimizer.param_groups:
+        if not group.get("fused") or not group.get("momentum"):
+            continue
+        params = group["params"]
+        # a zero buffer steps as a missing one only with dampening 0 and each parameter once
+        # (torch's first fused step starts every listing's buffer from its gradient)
+        zero_ok = group.get("dampening", 0) == 0 and len(set(map(id, params))) == len(params)
+        for p in params:
+            if "momentum_buffer" in state.get(p, ()):
+                continue
+            if p.grad is not None and zero_ok:
+                state[p]["momentum_buffer"] = torch.zeros_like(p.grad)
+                continue
+            complete = False
+            read = read or p.grad is not None
+    if complete:
+        _PRIMED[optimizer] = id(state)
+    return read
 
 
 @torch.compiler.disable
@@ -61,6 +102,9 @@ def fused(
         poll()
     if shadowing:
         return None
+    if isinstance(optimizer, torch.optim.SGD) and _PRIMED.get(optimizer) != id(optimizer.state):
+        if prime_momentum(optimizer) and bool(found_inf):
+            return None  # skipped while buffers are missing (dampening != 0): the state stays empty
     optimizer.grad_scale, optimizer.found_inf = grad_scale, found_inf
     try:
         return optimizer.step(*args, **kwargs)

@@ -9,7 +9,6 @@ device noticed, ``_report`` reports, ``_checkpoint`` state dicts and pickling, `
 
 from __future__ import annotations
 
-import logging
 import warnings
 import weakref
 from collections.abc import Iterable, Mapping
@@ -21,14 +20,12 @@ from torch.distributed.algorithms.join import Joinable
 
 from . import _checkpoint, _clip, _grads, _join, _numerics, _stepping, _sync
 from ._alarm import POLL_EVERY, Alarm, Schedule
-from ._config import ScalerConfig, check_device, check_new_scale, settings
+from ._config import ScalerConfig, check_device, check_flag, check_new_scale, guard_kwargs, settings
 from ._iteration import ORDER, STALE, Iteration, LastStep
 from ._numerics import Numerics
 from ._policy import HostBounds, LossScale, Numbers, count_, step_
 from ._protocol import TorchInternals, is_optimizer, step_kind
 from ._report import OverflowReport, Reporter, collapse_error, name_params
-
-logger = logging.getLogger("shardscale")
 
 __all__ = ["ShardedGradScaler", "OptState", "POLL_EVERY"]
 
@@ -67,7 +64,7 @@ class ShardedGradScaler(
     Args:
         device: as ``torch.amp.GradScaler``'s; the scale lives on the device of the first tensor
             given to :meth:`scale`. Default ``"cuda"`` if available, else ``"cpu"``.
-        init_scale: initial loss scale (finite, > 0). Default 2**16.
+        init_scale: initial loss scale (finite, > 0). Default 2**16, clamped into the bounds.
         growth_factor: > 1. Default 2.0.
         backoff_factor: in (0, 1). Default 0.5.
         growth_interval: clean steps before growth, >= 1. Default 2000.
@@ -78,8 +75,9 @@ class ShardedGradScaler(
         min_scale, max_scale, hysteresis, consecutive_hysteresis, max_consecutive_skips,
         on_collapse, dynamic: the policy beyond torch's, see :class:`ScalerConfig`.
         report_overflows: if True, ``update()`` reads the agreed flag (one host read per
-            iteration) and logs an :class:`OverflowReport` as a warning on the ``"shardscale"``
-            logger after each overflowing iteration (one scan and one all-gather then).
+            iteration) and logs every rank's :class:`OverflowReport` once (on rank 0) as a
+            warning on the ``"shardscale"`` logger after each overflowing iteration (one scan
+            and one all-gather then).
         param_names: an ``nn.Module`` or ``{name: parameter}`` map naming parameters in reports.
         rank_local_params: True when the ranks hold *different* parameters (pipeline stages):
             :meth:`clip_grad_norm_` sums every gradient over ranks. False (default) for
@@ -92,7 +90,7 @@ class ShardedGradScaler(
     def __init__(
         self,
         device: str | torch.device | None = None,
-        init_scale: float = 2.0**16,
+        init_scale: float | None = None,
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
@@ -148,8 +146,7 @@ class ShardedGradScaler(
         """A scaler for bf16/fp32 training: the scale fixed (at 1.0, or ``init_scale`` if
         given), non-finite steps still skipped on every rank, reports as in fp16 mode. ``kwargs``
         go to the constructor (e.g. ``max_consecutive_skips``, ``report_overflows``)."""
-        kwargs.setdefault("init_scale", 1.0)
-        return cls(process_group=process_group, dynamic=False, **kwargs)
+        return cls(process_group=process_group, **guard_kwargs(kwargs))
 
     @property
     def _names(self) -> Any:
@@ -233,10 +230,10 @@ class ShardedGradScaler(
         ``scale()`` since made or loaded unscales once the agreement says another rank scaled
         (else its gradients must be zero). On error the iteration is not started."""
         it, tensors, unit = self._it, self._loss_scale.tensors, self._loss_scale.unit
-        home = tensors.scale.device
+        home, math = tensors.scale.device, self._loss_scale.math
         idle = not (it.scaled_here or it.ever_scaled)
         try:
-            inv = _grads.inv_scale(tensors.scale) if unscale else unit
+            inv = _grads.inv_scale(tensors.scale, math) if unscale else unit
             flags = self._unscale_grads_(optimizer, unit if idle else inv, None)
             if flags and it.saw_gradients():
                 warnings.warn(STALE, RuntimeWarning, stacklevel=4)
@@ -280,9 +277,9 @@ class ShardedGradScaler(
         (the scale times any ``grad_scale`` the user set, so the kernel unscales in fp32; the
         user's alone if :meth:`unscale_` already did; restored afterwards) and
         ``optimizer.found_inf`` (the agreed flag; the kernel skips): no host read. An optimizer
-        whose ``step`` takes ``grad_scaler=`` gets ``grad_scaler=self`` (with torch's
-        ``FutureWarning``) and does its own unscaling. :meth:`last_step_skipped` tells whether
-        the step was skipped.
+        whose class's ``step`` takes ``grad_scaler=`` (even wrapped) gets ``grad_scaler=self``
+        (with torch's ``FutureWarning``) and unscales itself. :meth:`last_step_skipped` tells
+        whether the step was skipped.
 
         Returns:
             What ``optimizer.step(*args, **kwargs)`` returned; None if a non-fused step was
@@ -309,7 +306,7 @@ class ShardedGradScaler(
             if state["stage"] is OptState.READY:
                 self._unscale(optimizer, state)
             elif state.get("grad_scale") is not None:  # a clip folded for a fused inner optimizer
-                self._unscale_grads_(optimizer, _grads.inv_scale(state.pop("grad_scale")), None)
+                self._unscale_grads_(optimizer, _grads.inv_scale(state.pop("grad_scale"), self._loss_scale.math), None)
             retval = self._plain_step(optimizer, state, args, kwargs)
         elif kind == "grad_scaler":
             retval = self._grad_scaler_step(optimizer, state, args, kwargs)
@@ -423,7 +420,7 @@ class ShardedGradScaler(
             bounds.after_update(config, seen_clean)
         if last is not None and self._report_overflows and bool(last.found_inf > 0):
             groups = _sync.resolve_groups(self.process_group)
-            logger.warning("%s", self._reporter.build(last, groups, self._calls.shadowing))
+            self._reporter.log(last, groups, self._calls.shadowing)  # once, all ranks' entries
         refresh = config.plain and not bounds.free(config)
         if self._schedule.update_due(read_overflow, bounds.below_one, refresh):
             self._poll()
@@ -508,16 +505,18 @@ class ShardedGradScaler(
         norm_type: float | str = 2.0,
         error_if_nonfinite: bool = False,
         foreach: bool | None = None,
+        *,
+        fold: bool = True,
     ) -> torch.Tensor:
         """Unscale, compute the global gradient norm across shards and ranks, and clip.
 
         ``scaler.unscale_(opt)`` then ``torch.nn.utils.clip_grad_norm_`` on the *unsharded*
         model, with :meth:`unscale_`'s agreement, in one read pass, ONE all-reduce (none without
-        a group) and one write pass (none for a fused optimizer: folded into its
-        ``grad_scale``). Replicas (plain, DDP, DTensor ``Replicate``, FSDP1 ``NO_SHARD``) count
-        once, shards are summed. The optimizer is then UNSCALED with its agreed flag. After
-        ``unscale_`` (torch's recipe) or a first clip, and when disabled, it clips the gradients
-        as they are (one all-reduce of the norm). See :mod:`shardscale._clip`.
+        a group) and one write pass (none for a fused optimizer: see ``fold``). Replicas
+        (plain, DDP, DTensor ``Replicate``, FSDP1 ``NO_SHARD``) count once, shards are summed.
+        The optimizer is then UNSCALED with its agreed flag. After ``unscale_`` (torch's recipe)
+        or a first clip, and when disabled, it clips the gradients as they are (one all-reduce
+        of the norm). See :mod:`shardscale._clip`.
 
         Args:
             optimizer_or_params: the optimizer whose gradients to clip, or a tensor / iterable
@@ -530,6 +529,8 @@ class ShardedGradScaler(
                 with a scaler such a norm means an overflow, which is otherwise skipped).
             foreach: as torch's: None or True use the ``torch._foreach_*`` kernels, False one
                 kernel per tensor.
+            fold: False: write the unscaled, clipped gradients always. True: a fused optimizer
+                gets them folded into its ``grad_scale`` instead where :func:`_clip.may_fold`.
 
         Returns:
             The total norm of the unscaled gradients over all ranks and shards, a 0-d float32
@@ -547,7 +548,7 @@ class ShardedGradScaler(
         target: Any = optimizer_or_params
         if not is_optimizer(target):
             target = _clip.param_list(target)  # a generator is read once
-        args = _clip.ClipArgs.check(max_norm, norm_type, error_if_nonfinite, foreach)
+        args = _clip.ClipArgs.check(max_norm, norm_type, error_if_nonfinite, foreach, fold)
         total = self._clip_grad_norm(target, args)
         self._calls.note(
             "clip_grad_norm_", target, max_norm, norm_type, error_if_nonfinite, foreach
@@ -580,8 +581,7 @@ class ShardedGradScaler(
         if state["stage"] is not OptState.READY:
             self._it.failed(target)
             raise _clip.refused("after step")
-        # a scale below 1 is not folded (the kernel's division could overflow unseen)
-        fused = step_kind(target) != "plain" and not self._bounds.below_one
+        fused = step_kind(target) != "plain" and _clip.may_fold(target, args, self._bounds)
         fused = fused and not _grads.unscaled_or_tied(target, ())  # tied: unscaled in place
         try:
             total, state["grad_scale"], found_inf, anyone = self._norm_and_clip(
@@ -595,7 +595,7 @@ class ShardedGradScaler(
 
     def _norm_and_clip(self, buckets: Any, params: Any, group: Any, fused: bool, args: Any) -> Any:
         it, scale = self._it, self._loss_scale.tensors.scale
-        inv, low = _grads.inv_scale(scale), self._bounds.below_one
+        inv, low = _grads.inv_scale(scale, self._loss_scale.math), self._bounds.below_one
         idle = buckets and not (it.scaled_here or it.ever_scaled)  # refused before any write
         if idle and group is None:  # on one process: no other rank scaled
             it.scaled_elsewhere(None, params, "clip_grad_norm_")
@@ -662,8 +662,7 @@ class ShardedGradScaler(
                 ``all_gather_object`` when the iteration overflowed), which every rank of the
                 process group must call.
         """
-        if not isinstance(all_ranks, bool):
-            raise TypeError(f"all_ranks must be a bool, got {all_ranks!r}.")
+        all_ranks = check_flag("all_ranks", all_ranks)
         groups = _sync.resolve_groups(self.process_group)
         shadowing = self._calls.shadowing
         tensors = self._loss_scale.tensors

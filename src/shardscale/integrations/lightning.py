@@ -83,15 +83,17 @@ class ShardscalePrecision(_TrainerFSDPPrecision, _FabricFSDPPrecision):
     Gradients (Trainer): ``on_before_optimizer_step`` and ``configure_gradient_clipping`` see
     unscaled gradients, as with Lightning's ``MixedPrecision`` (fused optimizers too, where
     Lightning leaves them scaled). When neither the LightningModule nor a callback overrides those
-    hooks, nobody can look at the gradients between backward and step, so the unscale is left to
-    the clip or the step: ``gradient_clip_val`` with ``gradient_clip_algorithm="norm"`` then runs
-    ``scaler.clip_grad_norm_`` (unscale, global norm over shards and ranks, clip: one read pass,
-    one all-reduce, no write pass with a fused optimizer). Otherwise the clip runs on the
-    unscaled gradients: the FSDP1 root's ``clip_grad_norm_`` when Lightning wrapped the model,
-    else ``scaler.clip_grad_norm_`` after ``unscale_`` (the norm over shards and ranks: plain,
-    DDP, FSDP1 flat or original parameters, FSDP2), or ``torch.nn.utils.clip_grad_norm_`` for
-    DTensors on a 2-D mesh (HSDP, tensor parallelism), which the scaler's norm refuses. Norm
-    clipping works with fused optimizers (Lightning's ``MixedPrecision`` refuses them). Fabric: ``fabric.clip_gradients``
+    hooks, nobody can look at the gradients between backward and step, so the unscale is left to the
+    clip or the step: ``gradient_clip_val`` with ``gradient_clip_algorithm="norm"`` then runs
+    ``scaler.clip_grad_norm_`` (unscale, global norm over shards and ranks, clip: one read pass, one
+    all-reduce; with a fused optimizer no write pass, the clip folded into its step, unless a step
+    hook is registered on it). Manual optimization's ``self.clip_gradients`` writes the clipped
+    gradients (user code may read them before ``opt.step()``). Otherwise the clip runs on the
+    unscaled gradients: the FSDP1 root's ``clip_grad_norm_`` when Lightning wrapped the model, else
+    ``scaler.clip_grad_norm_`` after ``unscale_`` (the norm over shards and ranks: plain, DDP, FSDP1
+    flat or original parameters, FSDP2), or ``torch.nn.utils.clip_grad_norm_`` for DTensors on a 2-D
+    mesh (HSDP, tensor parallelism), which the scaler's norm refuses. Norm clipping works with fused
+    optimizers (Lightning's ``MixedPrecision`` refuses them). Fabric: ``fabric.clip_gradients``
     unscales first through :meth:`unscale_gradients`; pass ``error_if_nonfinite=False`` there, or an
     overflow step (which the scaler skips) raises in torch's clip.
 
@@ -102,8 +104,11 @@ class ShardscalePrecision(_TrainerFSDPPrecision, _FabricFSDPPrecision):
 
     Args:
         precision: ``"16-mixed"`` or ``"bf16-mixed"``.
-        device: the autocast device type (``"cuda"``, ``"cpu"``, ...). None: the device of the
-            model's parameters in the Trainer; in Fabric ``"cuda"`` if available, else ``"cpu"``.
+        device: the autocast device: a device type (``"cuda"``, ``"cpu"``, ...), a string or
+            ``torch.device`` naming one (``"cuda:0"``), or any object whose ``.type`` is one.
+            None: the device of the model's parameters in the Trainer; in Fabric (and until the
+            Trainer connects) ``"cuda"`` if available, else ``"cpu"``. :attr:`device` is always
+            the device type in use, as Lightning's ``MixedPrecision.device``.
         scaler: a ready :class:`~shardscale.ShardedGradScaler` (e.g. with a ``process_group``);
             None: built from ``scaler_kwargs``.
         **scaler_kwargs: keyword arguments of :class:`~shardscale.ShardedGradScaler`
@@ -128,8 +133,7 @@ class ShardscalePrecision(_TrainerFSDPPrecision, _FabricFSDPPrecision):
                 f"ShardscalePrecision(precision={precision!r}): precision must be one of "
                 f"{_PRECISIONS}; for '32-true', '16-true' or 'bf16-true' use Lightning's plugins."
             )
-        if device is not None and not isinstance(device, str):
-            raise TypeError(f"device must be a str such as 'cuda' or 'cpu', got {device!r}.")
+        kind = _device_type(device)
         if scaler is not None:
             if not isinstance(scaler, ShardedGradScaler):
                 raise TypeError(
@@ -141,8 +145,8 @@ class ShardscalePrecision(_TrainerFSDPPrecision, _FabricFSDPPrecision):
                     f"({', '.join(sorted(scaler_kwargs))}), not both."
                 )
         else:  # two explicit calls: LightningCLI (jsonargparse) reads scaler_kwargs' names here
-            if device is not None:
-                scaler_kwargs.setdefault("device", device)
+            if kind is not None:
+                scaler_kwargs.setdefault("device", kind)
             if precision == "16-mixed":
                 scaler = ShardedGradScaler(**scaler_kwargs)
             else:
@@ -150,10 +154,12 @@ class ShardscalePrecision(_TrainerFSDPPrecision, _FabricFSDPPrecision):
         # Lightning's FSDPPrecision.__init__ is not called: it reads self.precision before setting
         # it (issue #19803) and builds torch's ShardedGradScaler.
         self.precision = precision  # type: ignore[assignment]
-        self.device = device
+        #: the autocast device type (``"cuda"``, ``"cpu"``, ...)
+        self.device: str = kind or ("cuda" if torch.cuda.is_available() else "cpu")
         self.scaler = scaler
         self._dtype = torch.float16 if precision == "16-mixed" else torch.bfloat16
-        self._autocast_device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self._device_given = kind is not None
+        self._fold = False  # set while Lightning's loop clips right before the step
         self._in_trainer = False  # set by connect(): the Trainer's protocol, else Fabric's
         self._model: torch.nn.Module | None = None
         self._unscaled: set[int] = set()  # optimizers unscaled (or clipped) in this iteration
@@ -183,9 +189,9 @@ class ShardscalePrecision(_TrainerFSDPPrecision, _FabricFSDPPrecision):
         return contextlib.nullcontext()
 
     def forward_context(self) -> contextlib.AbstractContextManager:
-        if self._dtype == torch.float16 and self._autocast_device == "cpu":
+        if self._dtype == torch.float16 and self.device == "cpu":
             _warn_cpu_fp16()
-        return torch.autocast(self._autocast_device, dtype=self._dtype, cache_enabled=False)
+        return torch.autocast(self.device, dtype=self._dtype, cache_enabled=False)
 
     def convert_input(self, data: Any) -> Any:
         return data  # autocast casts; FSDP1 casts its root's inputs to param_dtype
@@ -202,10 +208,10 @@ class ShardscalePrecision(_TrainerFSDPPrecision, _FabricFSDPPrecision):
         """Called by the Trainer's strategy once the model is set up (Fabric never calls it)."""
         self._in_trainer, self._model, self._eager_unscale = True, model, None
         self._unscaled.clear()
-        if self.device is None:
+        if not self._device_given:
             first = next(iter(model.parameters()), None)
             if first is not None and first.device.type != "meta":
-                self._autocast_device = first.device.type
+                self.device = first.device.type
         return model, optimizers, lr_schedulers
 
     def teardown(self) -> None:
@@ -250,7 +256,14 @@ class ShardscalePrecision(_TrainerFSDPPrecision, _FabricFSDPPrecision):
             self._eager_unscale = _hooks_read_gradients(model)
         if self._eager_unscale:
             self.unscale_gradients(optimizer)
-        self._after_closure(model, optimizer)  # on_before_optimizer_step, then the clip
+        # on_before_optimizer_step, then the clip, then the step: nothing of Lightning's reads
+        # the gradients between the clip and the step, so a fused optimizer's clip may fold
+        # (manual optimization clips in user code, which may read them: no fold there)
+        self._fold = model.automatic_optimization
+        try:
+            self._after_closure(model, optimizer)
+        finally:
+            self._fold = False
         return self._step(optimizer, **kwargs)
 
     def _step(self, optimizer: Any, **kwargs: Any) -> Any:
@@ -292,7 +305,7 @@ class ShardscalePrecision(_TrainerFSDPPrecision, _FabricFSDPPrecision):
         optimizer = _unwrap(optimizer)
         if id(optimizer) not in self._unscaled:
             try:
-                norm = self.scaler.clip_grad_norm_(optimizer, clip_val)
+                norm = self.scaler.clip_grad_norm_(optimizer, clip_val, fold=self._fold)
             except NotImplementedError:
                 pass  # several groups or a 2-D mesh (HSDP, TP): refused before any write
             else:
@@ -324,6 +337,23 @@ class ShardscalePrecision(_TrainerFSDPPrecision, _FabricFSDPPrecision):
             if checkpoint.get(key):
                 self.scaler.load_state_dict(checkpoint[key])
                 return
+
+
+def _device_type(device: Any) -> str | None:
+    """The device type ``device`` names (None for None).
+
+    Raises:
+        TypeError: not a str, a ``torch.device`` or an object whose ``.type`` is a str.
+    """
+    if device is None:
+        return None
+    kind = device if isinstance(device, str) else getattr(device, "type", None)
+    if not isinstance(kind, str):
+        raise TypeError(
+            "device must be a device type such as 'cuda' or 'cpu', a torch.device or an object "
+            f"whose .type is one, got {device!r}."
+        )
+    return torch.device(kind).type
 
 
 def _unwrap(optimizer: Any) -> Any:
