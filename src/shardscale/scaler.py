@@ -253,12 +253,14 @@ class ShardedGradScaler(
         iteration is not started."""
         it, tensors, unit = self._it, self._loss_scale.tensors, self._loss_scale.unit
         home = tensors.scale.device
-        probe = self._headroom.request(self._config, check_only=not unscale)
+        probe = None  # policy="headroom": the amax is measured in the check pass
+        if self._config.policy != "torch":
+            probe = self._headroom.request(self._config, check_only=not unscale)
         try:
             inv = _grads.inv_scale(tensors.scale) if unscale else unit
             if probe is None:
                 flags = self._unscale_grads_(optimizer, inv, None)
-            else:  # policy="headroom": measured in the check pass
+            else:
                 flags = self._unscale_grads_(optimizer, inv, None, amax=probe, check_only=not unscale)
             amax = None if probe is None else _headroom.local_amax(probe, home)
             if flags and it.saw_gradients():
@@ -280,7 +282,7 @@ class ShardedGradScaler(
                     local, step, it.checks, it.vote(), groups, tensors.scale, policy, self._call,
                     amax,
                 )  # fmt: skip
-                amax = vector[_sync.AMAX] if self._config.headroom else None
+                amax = vector[_sync.AMAX] if self._config.policy != "torch" else None
                 self._alarm.note_mismatch(bad, vector, step, it.checks)
                 if self._verify:  # the first agreement since made or loaded: read at once
                     self._verify = False
