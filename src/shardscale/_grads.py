@@ -281,7 +281,7 @@ def measure_and_check(
                 for grads in per_dtype.values()
             ]
             peak = peaks[0] if len(peaks) == 1 else torch.stack(peaks).max()
-            peak = torch.nan_to_num(peak, nan=math.inf)
+            peak = torch.nan_to_num(peak, nan=math.inf, posinf=math.inf)
             if check_only:
                 flag = (peak == math.inf).float()
             else:
