@@ -276,3 +276,33 @@ def test_two_ranks_with_different_amaxes_agree_on_the_scale(tmp_path, fused):
     peak = max(r0["amaxes"][0], r1["amaxes"][0])
     assert math.log2(r0["scales"][1]) == _target(peak, 4.0)
     assert r0["scales"][6] < r0["scales"][5]  # the skipped step 5 backed off on both
+
+
+def _uneven(rank: int, world_size: int, fused: bool) -> dict:
+    """Join: rank 1 runs out of data after 3 batches; rank 0 goes on, overflows at batch 4."""
+    from torch.distributed.algorithms.join import Join
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Linear(4, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+    scaler = ShardedGradScaler("cpu", init_scale=1.0, policy="headroom")
+    scales = []
+    with Join([model, scaler]):
+        for i in range(6 if rank == 0 else 3):
+            opt.zero_grad()
+            x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * rank + i))
+            loss = model(x).pow(2).mean() * (INF if (rank == 0 and i == 4) else 1.0)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+    return {"scales": scales, "final": scaler.get_scale(), "sd": scaler.state_dict()}
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_join_keeps_the_ranks_on_one_scale(tmp_path, fused):
+    r0, r1 = run_ranks(_uneven, tmp_path, fused, timeout=30)
+    assert r1["scales"] == r0["scales"][:3] and r0["scales"][0] > 2.0**10
+    assert r0["scales"][4] < r0["scales"][3]  # rank 0's overflow backed off on both
+    assert r0["final"] == r1["final"] and r0["sd"] == r1["sd"]
