@@ -306,3 +306,21 @@ def test_join_keeps_the_ranks_on_one_scale(tmp_path, fused):
     assert r1["scales"] == r0["scales"][:3] and r0["scales"][0] > 2.0**10
     assert r0["scales"][4] < r0["scales"][3]  # rank 0's overflow backed off on both
     assert r0["final"] == r1["final"] and r0["sd"] == r1["sd"]
+
+
+def test_update_compiles_with_fullgraph_and_matches_eager():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = ShardedGradScaler("cpu", init_scale=1.0, policy="headroom")
+    eager = ShardedGradScaler("cpu", init_scale=1.0, policy="headroom")
+    update = torch.compile(compiled.update, fullgraph=True)
+    for i in range(3):
+        for scaler, step in ((compiled, update), (eager, eager.update)):
+            opt.zero_grad()
+            scaler.scale(model(torch.ones(3, 4) * (i + 1)).sum()).backward()
+            scaler.unscale_(opt)
+            step()
+        assert compiled.state_dict() == eager.state_dict()
+    assert compiled.get_scale() > 2.0**8
