@@ -1,6 +1,6 @@
 """Loss-scale policies in real fp16 training: torch's rule against ``policy="headroom"``.
 
-    python benchmarks/policies.py                        # digits + text, 300 / 150 steps (~4 min)
+    python benchmarks/policies.py                        # digits + text, 300 / 100 steps (~10 min on 2 cores)
     python benchmarks/policies.py --quick                # smoke test: digits, 12 steps (seconds)
     python benchmarks/policies.py --tasks digits --steps 300 --plot docs/img/policies.png
 
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--opts", default="adamw,fused")
     ap.add_argument("--inits", default="0,16,24", help="log2 of the initial scales")
     ap.add_argument("--steps", type=int, default=300, help="digits steps")
-    ap.add_argument("--text-steps", type=int, default=150, help="text steps")
+    ap.add_argument("--text-steps", type=int, default=100, help="text steps")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plot", default=None, help="write the scale trajectories to this PNG")
     ap.add_argument("--quick", action="store_true", help="digits, 12 steps, inits 0,24, adamw")

@@ -248,6 +248,17 @@ def unscale_and_check(
     return flags
 
 
+def _peak(grads: list[torch.Tensor]) -> torch.Tensor:
+    """max |g| over ``grads`` (one device and dtype) as a 0-d float32, in one read pass; an inf
+    or NaN propagates. ``torch._foreach_norm(grads, inf)`` (one multi-tensor kernel on CUDA);
+    on the CPU, where that norm is ~10x slower than torch's check kernel, one ``aminmax`` per
+    tensor (~1.5x)."""
+    if grads[0].device.type != "cpu":
+        return torch.stack(torch._foreach_norm(grads, math.inf)).max().float()
+    lows, highs = zip(*(torch.aminmax(g) for g in grads), strict=True)
+    return torch.maximum(torch.stack(highs).max(), -torch.stack(lows).min()).float()
+
+
 def measure_and_check(
     buckets: Buckets,
     inv_scale: torch.Tensor,
@@ -257,8 +268,8 @@ def measure_and_check(
     """:func:`unscale_and_check`, measuring the largest |gradient| before unscaling
     (``policy="headroom"``).
 
-    Per (device, dtype) bucket one ``torch._foreach_norm(grads, inf)`` (max |g| per tensor; an
-    inf or NaN propagates) reads every gradient once. ``check_only`` (a fused step's check,
+    Per (device, dtype) bucket one pass reads every gradient once (:func:`_peak`: max |g|; an
+    inf or NaN propagates). ``check_only`` (a fused step's check,
     factor 1): that pass is the check, replacing torch's check kernel (no extra read);
     otherwise torch's kernel then unscales (one more read and write, as without measuring).
 
@@ -276,10 +287,7 @@ def measure_and_check(
     flags: dict[torch.device, torch.Tensor] = {}
     with torch.no_grad():
         for device, per_dtype in buckets.items():
-            peaks = [
-                torch.stack(torch._foreach_norm(grads, math.inf)).max().float()
-                for grads in per_dtype.values()
-            ]
+            peaks = [_peak(grads) for grads in per_dtype.values()]
             peak = peaks[0] if len(peaks) == 1 else torch.stack(peaks).max()
             peak = torch.nan_to_num(peak, nan=math.inf, posinf=math.inf)
             if check_only:
