@@ -438,6 +438,12 @@ NEW_KEYS = [
     "on_collapse",
     "_hysteresis_tracker",
     "_counters",
+    "policy",
+    "headroom_margin",
+    "headroom_history",
+    "measure_every",
+    "_headroom_history",
+    "_headroom_backoffs",
 ]
 
 # field -> (constructor kwargs, flags to train on) giving a non-default value of that field
@@ -456,6 +462,12 @@ ROUND_TRIP = {
     "on_collapse": ({"on_collapse": "warn"}, []),
     "_hysteresis_tracker": ({"hysteresis": 4}, [1, 0, 1]),
     "_counters": ({"growth_interval": 2}, [1, 0, 0, 1, 1, 0]),
+    "policy": ({"policy": "headroom"}, []),
+    "headroom_margin": ({"headroom_margin": 5.0}, []),
+    "headroom_history": ({"headroom_history": 7}, []),
+    "measure_every": ({"measure_every": 4}, []),
+    "_headroom_history": ({"policy": "headroom"}, [0, 0]),
+    "_headroom_backoffs": ({"policy": "headroom"}, [0, 1]),
 }
 
 

@@ -70,6 +70,8 @@ def torch_scaler(**kw) -> torch.amp.GradScaler:
 def is_plain(value) -> bool:
     if isinstance(value, dict):
         return all(isinstance(k, str) and is_plain(v) for k, v in value.items())
+    if isinstance(value, list):  # _headroom_history: floats
+        return all(isinstance(v, float) for v in value)
     return value is None or isinstance(value, (bool, int, float, str))
 
 

@@ -472,3 +472,21 @@ def test_a_new_history_moves_later_checkpoints_aside(tmp_path: Path) -> None:
     assert checkpoint.resolve(tmp_path).name == "step-000010.pt"
     assert checkpoint.supersede_after(tmp_path, 10) is None  # nothing later any more
     assert checkpoint.supersede_after(tmp_path / "fresh", 0) is None  # no checkpoints folder
+
+
+def test_policy_headroom_reaches_the_scaler_and_the_plot(tmp_path: Path) -> None:
+    out = tmp_path / "headroom"
+    proc = _train(
+        "--parallel", "none", "--policy", "headroom", "--init-scale", "1", "--hidden", "32",
+        "--steps", "5", "--no-progress", "--out", str(out),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    rows = _rows(out)
+    scales = [r["scale"] for r in rows]  # what loss_scale.png draws on its scale axis
+    assert scales[0] == 1.0 and min(scales[1:]) >= 2.0**10  # measured: straight to the target
+    assert not any(r["skipped"] for r in rows)
+    assert (out / "loss_scale.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["policy"] == "headroom" and summary["scaler_metrics"]["growths"] >= 1
+    bad = _train("--parallel", "none", "--policy", "headroom", "--scaler", "torch")
+    assert bad.returncode == 2 and "--policy headroom needs --scaler shardscale" in bad.stderr

@@ -12,6 +12,7 @@ from typing import Any
 
 from ._alarm import Schedule
 from ._config import INT32_MAX, INT64_MAX, ScalerConfig, check_real, check_scale
+from ._headroom import Headroom, HeadroomNumbers
 from ._iteration import Iteration
 from ._join import CallLog
 from ._policy import COUNTER_NAMES, HostBounds, LossScale, Numbers
@@ -31,6 +32,10 @@ CONFIG_KEYS = (
     "dynamic",
     "max_consecutive_skips",
     "on_collapse",
+    "policy",
+    "headroom_margin",
+    "headroom_history",
+    "measure_every",
 )
 
 
@@ -43,14 +48,21 @@ class LoadedState:
     growth_tracker: int
     hysteresis_tracker: int
     counters: tuple[int, ...]
+    headroom: HeadroomNumbers = HeadroomNumbers()
 
     @property
     def numbers(self) -> Numbers:
         return Numbers(self.scale, self.growth_tracker, self.hysteresis_tracker, self.counters)
 
 
-def to_state_dict(config: ScalerConfig, metrics: Mapping[str, float | int]) -> dict[str, Any]:
-    """The state dict of a scaler with ``config`` whose :meth:`metrics` are ``metrics``."""
+def to_state_dict(
+    config: ScalerConfig,
+    metrics: Mapping[str, float | int],
+    headroom: HeadroomNumbers | None = None,
+) -> dict[str, Any]:
+    """The state dict of a scaler with ``config`` whose :meth:`metrics` are ``metrics`` and
+    whose ``policy="headroom"`` state is ``headroom`` (None: empty)."""
+    headroom = headroom or HeadroomNumbers()
     return {
         "scale": float(metrics["scale"]),
         "growth_factor": config.growth_factor,
@@ -66,6 +78,12 @@ def to_state_dict(config: ScalerConfig, metrics: Mapping[str, float | int]) -> d
         "on_collapse": config.on_collapse,
         "_hysteresis_tracker": int(metrics["hysteresis_tracker"]),
         "_counters": {name: int(metrics[name]) for name in COUNTER_NAMES},
+        "policy": config.policy,
+        "headroom_margin": config.headroom_margin,
+        "headroom_history": config.headroom_history,
+        "measure_every": config.measure_every,
+        "_headroom_history": [float(v) for v in headroom.history],
+        "_headroom_backoffs": int(headroom.backoffs),
     }
 
 
@@ -79,7 +97,8 @@ def asked(config: ScalerConfig) -> frozenset[str]:
 
 
 #: The top-level keys shardscale's state dict has beyond torch's (``_counters`` is a dict).
-EXTRA_KEYS = (*GUARD_KEYS, "_hysteresis_tracker", "_counters")
+EXTRA_KEYS = (*GUARD_KEYS, "_hysteresis_tracker", "_counters", "_headroom_history",
+              "_headroom_backoffs")  # fmt: skip
 
 
 def parse_state_dict(
@@ -150,7 +169,23 @@ def parse_state_dict(
     if not isinstance(raw, Mapping) or not set(raw) <= set(COUNTER_NAMES):
         raise ValueError(f"state_dict['_counters'] must be a dict with keys from {COUNTER_NAMES}.")
     counters = tuple(_nonneg_int(f"_counters[{n!r}]", raw.get(n, 0)) for n in COUNTER_NAMES)
-    return LoadedState(config, scale, tracker, hyst, counters)
+    return LoadedState(config, scale, tracker, hyst, counters, _headroom(state_dict, config))
+
+
+def _headroom(state_dict: Mapping[str, Any], config: ScalerConfig) -> HeadroomNumbers:
+    """``policy="headroom"``'s state from ``state_dict`` (none saved: an empty history), the
+    last ``headroom_history`` entries kept."""
+    raw = state_dict.get("_headroom_history", [])
+    if not isinstance(raw, (list, tuple)):
+        raise ValueError("state_dict['_headroom_history'] must be a list of floats > 0.")
+    history = []
+    for v in raw:
+        value = check_real("state_dict['_headroom_history'] entries", v)
+        if value <= 0.0:
+            raise ValueError(f"state_dict['_headroom_history'] entries must be > 0, got {v!r}.")
+        history.append(value)
+    backoffs = _nonneg_int("_headroom_backoffs", state_dict.get("_headroom_backoffs", 0), 64)
+    return HeadroomNumbers(tuple(history[-config.headroom_history :]), backoffs)
 
 
 def _nonneg_int(name: str, value: object, maximum: int = INT64_MAX) -> int:
@@ -174,6 +209,7 @@ class Picklable:
 
     _it: Iteration
     _loss_scale: LossScale
+    _headroom: Headroom
     _enabled: bool
     _device: str
     _reporter: Reporter
@@ -189,6 +225,7 @@ class Picklable:
         numbers = self._loss_scale.read()[0] if self._enabled else self._loss_scale.numbers
         state.update(
             _loss_scale=LossScale(numbers),
+            _headroom=Headroom(self._headroom.read()),
             _bounds=HostBounds.at(numbers.scale),
             _alarm=None,
             _it=Iteration(),

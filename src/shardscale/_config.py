@@ -18,6 +18,12 @@ DEFAULT_MAX_SCALE = 2.0**127
 _FLOAT32_MAX = 3.4028234663852886e38
 
 OnCollapse = Literal["raise", "warn"]
+Policy = Literal["torch", "headroom"]
+#: ``policy="headroom"``'s defaults (evidence: ``docs/headroom.md``): bits kept between the
+#: measured gradient amax times the scale and fp16's largest value (plus log2 of the ranks), and
+#: the clean measurements remembered.
+HEADROOM_MARGIN = 3.0
+HEADROOM_HISTORY = 50
 
 
 def check_real(name: str, value: object) -> float:
@@ -142,6 +148,17 @@ class ScalerConfig:
             emits a ``RuntimeWarning`` and goes on. A collapse is an overflow while the scale
             already sits at ``min_scale`` (as DeepSpeed's ``raise_error_at_min_scale``), or
             ``max_consecutive_skips`` skipped steps in a row.
+        policy: ``"torch"`` (default): torch's rule (growth after ``growth_interval`` clean
+            steps). ``"headroom"``: the next scale keeps the largest |scaled gradient| measured
+            over the last ``headroom_history`` clean steps ``headroom_margin + log2(ranks)``
+            bits below fp16's largest value (``docs/headroom.md``; ``growth_factor`` and
+            ``growth_interval`` are then unused, an overflow still backs off).
+        headroom_margin: bits (>= 0, <= 64) kept below 65504 by ``"headroom"``, before the
+            log2 of the agreement groups' size is added. Default 3.0.
+        headroom_history: clean measurements (>= 1, <= 65536) whose maximum sets the scale.
+            Default 50.
+        measure_every: measure every k-th update (>= 1) on non-fused steps (one read pass of the
+            gradients each); fused steps measure in their check pass, always. Default 1.
 
     Raises:
         TypeError: a field has the wrong type.
@@ -158,13 +175,30 @@ class ScalerConfig:
     dynamic: bool = True
     max_consecutive_skips: int | None = None
     on_collapse: OnCollapse = "raise"
+    policy: Policy = "torch"
+    headroom_margin: float = HEADROOM_MARGIN
+    headroom_history: int = HEADROOM_HISTORY
+    measure_every: int = 1
+
+    @property
+    def headroom(self) -> bool:
+        """Whether the scale follows the measured gradient amax (``policy="headroom"``)."""
+        return self.policy == "headroom" and self.dynamic
+
+    @property
+    def lowest(self) -> float:
+        """The smallest scale the rule sets: ``min_scale``; ``max(min_scale, 1)`` with
+        ``policy="headroom"`` (the scale stays >= 1, so the host knows 1/scale <= 1 without a
+        read: no second check, a fused step keeps its fold; ``docs/headroom.md``)."""
+        return max(self.min_scale, 1.0) if self.headroom else self.min_scale
 
     @property
     def plain(self) -> bool:
         """torch's rule with bounds: dynamic, every overflow backs off (hysteresis 1), no skip
         guard. Its update is torch's kernel and the counters (``_policy``'s plain path)."""
         return (
-            self.dynamic
+            not self.headroom
+            and self.dynamic
             and self.hysteresis == 1
             and not self.consecutive_hysteresis
             and self.max_consecutive_skips is None
@@ -207,11 +241,19 @@ class ScalerConfig:
             check_int("max_consecutive_skips", self.max_consecutive_skips, 1)
         if self.on_collapse not in ("raise", "warn"):
             raise ValueError(f"on_collapse must be 'raise' or 'warn', got {self.on_collapse!r}.")
+        if self.policy not in ("torch", "headroom"):
+            raise ValueError(f"policy must be 'torch' or 'headroom', got {self.policy!r}.")
+        margin = check_real("headroom_margin", self.headroom_margin)
+        if not 0.0 <= margin <= 64.0:
+            raise ValueError(f"headroom_margin must be in [0, 64] bits, got {margin}.")
+        check_int("headroom_history", self.headroom_history, 1, 65536)
+        check_int("measure_every", self.measure_every, 1, INT32_MAX)
         # Store normalised floats (ints are accepted for the float fields).
         # Store plain Python numbers (NumPy scalars and 1-element tensors are accepted).
-        for name in ("growth_factor", "backoff_factor", "min_scale", "max_scale"):
+        for name in ("growth_factor", "backoff_factor", "min_scale", "max_scale", "headroom_margin"):
             object.__setattr__(self, name, check_real(name, getattr(self, name)))
-        for name in ("growth_interval", "hysteresis", "max_consecutive_skips"):
+        for name in ("growth_interval", "hysteresis", "max_consecutive_skips", "headroom_history",
+                     "measure_every"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, int(getattr(self, name)))
 

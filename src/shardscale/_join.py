@@ -9,15 +9,17 @@ rank that never trained makes one agreement and applies the agreed update.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.distributed.algorithms.join import JoinHook
 
-from . import _sync
+from . import _headroom, _sync
 from ._alarm import Alarm
 from ._config import ScalerConfig
+from ._headroom import Headroom
 from ._policy import ScaleState, step_
 
 #: The calls that start an iteration's list.
@@ -87,15 +89,27 @@ def check_order(join_config: Any) -> None:
 
 
 def idle_iteration(
-    state: ScaleState, config: ScalerConfig, alarm: Alarm, groups: list[Any]
+    state: ScaleState,
+    config: ScalerConfig,
+    alarm: Alarm,
+    groups: list[Any],
+    headroom: Headroom | None = None,
 ) -> None:
     """A joined rank that never trained: one agreement (no gradients, not scaled) and, when
-    another rank scaled, the agreed update."""
+    another rank scaled, the agreed update (``policy="headroom"``: with the agreed amax and
+    ``headroom``'s history)."""
     zero = torch.zeros((), dtype=torch.float32, device=state.scale.device)
     policy = _sync.policy_values(config)
     agreed = _sync.agree(zero, state.counters[0], 0, False, groups, state.scale, policy)
     if bool(agreed[_sync.SCALED] > 0):
-        collapsed, old = step_(state, agreed[_sync.FOUND], config)
+        if config.headroom and headroom is not None:
+            rule = headroom.place(state.scale.device, config)
+            world = math.prod(g.size() for g in groups)
+            collapsed, old = _headroom.step_(
+                state, rule, agreed[_sync.FOUND], agreed[_sync.AMAX], config, world
+            )
+        else:
+            collapsed, old = step_(state, agreed[_sync.FOUND], config)
         alarm.note_collapse(collapsed, state.counters[0], old)
 
 
@@ -110,6 +124,7 @@ class JoinableScaler:
     _calls: CallLog
     _config: ScalerConfig
     _alarm: Any
+    _headroom: Headroom
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """For ``torch.distributed.algorithms.Join([ddp_model, scaler])`` (uneven inputs).
@@ -142,5 +157,6 @@ class JoinableScaler:
             self._calls.replay(lambda name, args: getattr(self, name)(*args))
         else:
             groups = _sync.resolve_groups(self.process_group)
-            idle_iteration(self._loss_scale.tensors, self._config, self._alarm, groups)
+            state, headroom = self._loss_scale.tensors, self._headroom
+            idle_iteration(state, self._config, self._alarm, groups, headroom)
 

@@ -402,7 +402,10 @@ class HostBounds:
     def after_update(self, config: ScalerConfig, seen_clean: bool) -> None:
         """One update happened; ``seen_clean``: the host read every flag of it and none was set."""
         self.since += 1
-        if config.dynamic and not seen_clean:
+        if config.headroom:  # any update lands in [config.lowest, max_scale] (>= 1)
+            self.lo = config.lowest
+            self.below_one = self.lo < 1.0
+        elif config.dynamic and not seen_clean:
             self.lo = max(self.lo * config.backoff_factor, config.min_scale)
             self.below_one = self.lo < 1.0
 

@@ -15,7 +15,13 @@ from typing import Any
 
 import torch
 
-from ._grads import SharedMemoryGradError, bucket_grads, iter_params, unscale_and_check
+from ._grads import (
+    SharedMemoryGradError,
+    bucket_grads,
+    iter_params,
+    measure_and_check,
+    unscale_and_check,
+)
 
 
 def is_optimizer(obj: object) -> bool:
@@ -164,11 +170,15 @@ class TorchInternals:
         inv_scale: torch.Tensor,
         found_inf: torch.Tensor | None,
         allow_fp16: bool = True,
+        amax: dict[torch.device, torch.Tensor] | None = None,
+        check_only: bool = False,
     ) -> dict[torch.device, torch.Tensor]:
         """torch's local unscale: ``optimizer``'s local gradients times ``inv_scale``, in place;
         ``{device: found_inf}`` (0-d float32 copies of ``found_inf``, or zeros for None, 1.0
         where a gradient held inf/NaN). No collective. Gradients ``clip_grad_norm_(params)``
         unscaled already are left out. ``allow_fp16=False`` refuses fp16 gradients, as torch.
+        ``amax`` (shardscale's, ``policy="headroom"``): filled with the largest |gradient| per
+        device before unscaling (``check_only``: only checked; :func:`_grads.measure_and_check`).
 
         Raises:
             SharedMemoryGradError: a gradient whose elements share memory, named, before any
@@ -184,6 +194,8 @@ class TorchInternals:
             raise e.naming(self._names.current(), params) from None
         if not allow_fp16 and any(torch.float16 in b for b in buckets.values()):
             raise ValueError("Attempting to unscale FP16 gradients.")
+        if amax is not None and found_inf is None:
+            return measure_and_check(buckets, inv_scale, amax, check_only)
         return unscale_and_check(buckets, inv_scale, found_inf)
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, torch.Tensor]:

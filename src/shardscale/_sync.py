@@ -214,8 +214,9 @@ def all_reduce(
     return tensor
 
 
-#: Slots of the agreement vector (see :func:`agree`); :data:`POLICY` pairs follow ``NEG_SCALE``.
-FOUND, STEP, NEG_STEP, CHECK, NEG_CHECK, SCALED, ERROR, SCALE, NEG_SCALE = range(9)
+#: Slots of the agreement vector (see :func:`agree`); :data:`POLICY` pairs follow ``AMAX``
+#: (the largest |scaled gradient| of the ranks that measured it, ``policy="headroom"``; -1: none).
+FOUND, STEP, NEG_STEP, CHECK, NEG_CHECK, SCALED, ERROR, SCALE, NEG_SCALE, AMAX = range(10)
 #: The policy fields compared across ranks (``ScalerConfig`` attribute names), in order.
 POLICY = (
     "growth_factor",
@@ -228,9 +229,13 @@ POLICY = (
     "dynamic",
     "max_consecutive_skips",
     "on_collapse",
+    "policy",
+    "headroom_margin",
+    "headroom_history",
+    "measure_every",
 )
 #: Length of the agreement vector.
-LENGTH = NEG_SCALE + 1 + 2 * len(POLICY)
+LENGTH = AMAX + 1 + 2 * len(POLICY)
 #: What a rank that fails a call-order check tells the others (:func:`poison`), by code.
 ERRORS = {
     1: "called unscale_()/step() again for an optimizer before update()",
@@ -241,25 +246,28 @@ _TAILS: dict[tuple[Any, ...], torch.Tensor] = {}
 
 
 def policy_values(config: Any) -> tuple[float, ...]:
-    """``config``'s :data:`POLICY` fields as floats (None -> -1, ``on_collapse`` "warn" -> 1)."""
+    """``config``'s :data:`POLICY` fields as floats (None -> -1, ``on_collapse`` "warn" -> 1,
+    ``policy`` "headroom" -> 1)."""
     out = []
     for name in POLICY:
         value = getattr(config, name)
         if name == "on_collapse":
             value = value == "warn"
+        elif name == "policy":
+            value = value == "headroom"
         out.append(-1.0 if value is None else float(value))
     return tuple(out)
 
 
 def _tail(check: int, scaled: bool, policy: tuple[float, ...], device: torch.device) -> torch.Tensor:
-    """``[check, -check, scaled, 0 (error), p1, -p1, ...]`` on ``device``: made once per key
+    """``[check, -check, scaled, 0 (error), -1 (amax), p1, -p1, ...]`` on ``device``: made once per key
     (a host-to-device copy the first time only), then reused as it is (read-only)."""
     key = (check, scaled, policy, device)
     tail = _TAILS.get(key)
     if tail is None:
         if len(_TAILS) > 256:
             _TAILS.clear()
-        values = [float(check), -float(check), float(scaled), 0.0]
+        values = [float(check), -float(check), float(scaled), 0.0, -1.0]
         values += [v for p in policy for v in (p, -p)]
         tail = _TAILS[key] = torch.tensor(values, dtype=torch.float32, device=device)
     return tail
@@ -275,10 +283,13 @@ def agree(
     policy: tuple[float, ...],
     error: float = 0.0,
     call: str = "the scaler",
+    amax: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The found-inf agreement: ONE MAX all-reduce (per group) of :data:`LENGTH` float32 values
     on ``found_inf``'s device: ``[found_inf, step, -step, check, -check, scaled, error, scale,
-    -scale]`` and each policy field with its negation.
+    -scale, amax]`` and each policy field with its negation. ``amax`` (0-d float32, this
+    rank's largest |scaled gradient|; None: not measured, -1 from the cached tail) comes out as
+    the group's largest: ``policy="headroom"``'s measurement at no extra collective.
 
     ``step`` (0-d: the scaler's update count), ``check`` (the ordinal of this check within the
     iteration), ``scale`` (0-d, the loss scale the gradients were computed with) and ``policy``
@@ -296,8 +307,11 @@ def agree(
     if error:
         tail = tail.clone()
         tail[ERROR - CHECK] = error
-    middle = torch.stack([scale32, -scale32])
-    vector = torch.cat([head, tail[:4], middle, tail[4:]])
+    if amax is None:
+        middle, rest = torch.stack([scale32, -scale32]), tail[4:]
+    else:
+        middle, rest = torch.stack([scale32, -scale32, amax.reshape(()).float()]), tail[5:]
+    vector = torch.cat([head, tail[:4], middle, rest])
     return all_reduce(vector, groups, call=(call, step))
 
 
@@ -310,11 +324,12 @@ def agreement(
     scale: torch.Tensor,
     policy: tuple[float, ...],
     call: str = "the scaler",
+    amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`agree`, read back: ``(flag, anyone_scaled, bad, vector)``: the agreed flag (0-d
     float32, also set when the ranks disagree), whether any rank called ``scale()`` (0-d bool),
     whether they disagree (0-d bool, :func:`mismatch`) and the agreement vector."""
-    vector = agree(found_inf, step, check, scaled, groups, scale, policy, call=call)
+    vector = agree(found_inf, step, check, scaled, groups, scale, policy, call=call, amax=amax)
     bad = mismatch(vector)
     return torch.maximum(vector[FOUND], bad.float()), vector[SCALED] > 0, bad, vector
 
@@ -337,13 +352,13 @@ def poison(
 
 #: The (positive, negated) slot pairs whose disagreement is a mismatch.
 _PAIRS = [(STEP, NEG_STEP), (CHECK, NEG_CHECK), (SCALE, NEG_SCALE)]
-_PAIRS += [(NEG_SCALE + 1 + 2 * i, NEG_SCALE + 2 + 2 * i) for i in range(len(POLICY))]
+_PAIRS += [(AMAX + 1 + 2 * i, AMAX + 2 + 2 * i) for i in range(len(POLICY))]
 
 
 def mismatch(agreed: torch.Tensor) -> torch.Tensor:
     """0-d bool: the agreement vector shows ranks at different steps or checks, with different
     scales or policies, or an error."""
-    pos, neg = agreed[NEG_SCALE + 1 :: 2], agreed[NEG_SCALE + 2 :: 2]
+    pos, neg = agreed[AMAX + 1 :: 2], agreed[AMAX + 2 :: 2]
     differ = (pos != -neg).any()
     return (
         differ
@@ -360,7 +375,7 @@ def _differences(values: Sequence[float]) -> list[str]:
     if values[SCALE] != -values[NEG_SCALE]:
         out.append(f"loss scale {-values[NEG_SCALE]:g}..{values[SCALE]:g}")
     for i, name in enumerate(POLICY):
-        hi, lo = values[NEG_SCALE + 1 + 2 * i], -values[NEG_SCALE + 2 + 2 * i]
+        hi, lo = values[AMAX + 1 + 2 * i], -values[AMAX + 2 + 2 * i]
         if hi != lo:
             out.append(f"{name} {lo:g}..{hi:g}")
     return out

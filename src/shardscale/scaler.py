@@ -9,6 +9,7 @@ device noticed, ``_report`` reports, ``_checkpoint`` state dicts and pickling, `
 
 from __future__ import annotations
 
+import math
 import warnings
 import weakref
 from collections.abc import Iterable, Mapping
@@ -18,7 +19,7 @@ import torch
 from torch.amp.grad_scaler import OptState
 from torch.distributed.algorithms.join import Joinable
 
-from . import _checkpoint, _clip, _grads, _join, _numerics, _stepping, _sync
+from . import _checkpoint, _clip, _grads, _headroom, _join, _numerics, _stepping, _sync
 from ._alarm import POLL_EVERY, Alarm, Schedule
 from ._config import ScalerConfig, check_device, check_flag, check_new_scale, guard_kwargs, settings
 from ._iteration import ORDER, STALE, Iteration, LastStep
@@ -74,6 +75,10 @@ class ShardedGradScaler(
             initialized when ``unscale_`` runs, else no communication.
         min_scale, max_scale, hysteresis, consecutive_hysteresis, max_consecutive_skips,
         on_collapse, dynamic: the policy beyond torch's, see :class:`ScalerConfig`.
+        policy, headroom_margin, headroom_history, measure_every: ``policy="headroom"`` sets the
+            scale from the measured gradient amax, agreed in the same all-reduce
+            (:class:`ScalerConfig`, ``docs/headroom.md``); ``"torch"`` (default) is torch's
+            rule, bit for bit.
         report_overflows: if True, ``update()`` reads the agreed flag (one host read per
             iteration) and logs every rank's :class:`OverflowReport` once (on rank 0) as a
             warning on the ``"shardscale"`` logger after each overflowing iteration (one scan
@@ -104,6 +109,10 @@ class ShardedGradScaler(
         max_consecutive_skips: int | None = None,
         on_collapse: str = "raise",
         dynamic: bool = True,
+        policy: str = "torch",
+        headroom_margin: float = 3.0,
+        headroom_history: int = 50,
+        measure_every: int = 1,
         report_overflows: bool = False,
         param_names: torch.nn.Module | Mapping[str, torch.Tensor] | None = None,
         rank_local_params: bool = False,
@@ -114,7 +123,9 @@ class ShardedGradScaler(
             growth_interval=growth_interval, hysteresis=hysteresis,
             consecutive_hysteresis=consecutive_hysteresis, on_collapse=on_collapse,
             max_consecutive_skips=max_consecutive_skips, dynamic=dynamic,
-            min_scale=min_scale, max_scale=max_scale,
+            min_scale=min_scale, max_scale=max_scale, policy=policy,
+            headroom_margin=headroom_margin, headroom_history=headroom_history,
+            measure_every=measure_every,
         )  # fmt: skip
         _sync.validate_process_group(process_group)
         names = name_params(param_names)
@@ -123,6 +134,7 @@ class ShardedGradScaler(
         self._device, self._enabled, self._config = args.device_type, args.enabled, args.config
         self._loss_scale = LossScale(Numbers(args.init_scale, 0, args.config.hysteresis))
         self._bounds = HostBounds.at(args.init_scale)  # what the host knows of the scale
+        self._headroom = _headroom.Headroom()  # policy="headroom": history, the iteration's amax
         self._alarm: Alarm | None = None  # what the device noticed, for the host to read
         self._schedule = Schedule()  # when the host reads the alarm
         self._it = Iteration()  # the record of this iteration and of the last one
@@ -230,11 +242,21 @@ class ShardedGradScaler(
         ``scale()`` since made or loaded unscales once the agreement says another rank scaled
         (else its gradients must be zero). On error the iteration is not started."""
         it, tensors, unit = self._it, self._loss_scale.tensors, self._loss_scale.unit
-        home, math = tensors.scale.device, self._loss_scale.math
+        home, mdtype = tensors.scale.device, self._loss_scale.math
         idle = not (it.scaled_here or it.ever_scaled)
+        probe = None  # policy="headroom": the amax is measured in the check pass
+        if self._config.policy != "torch":
+            probe = self._headroom.request(self._config, check_only=not unscale)
         try:
-            inv = _grads.inv_scale(tensors.scale, math) if unscale else unit
-            flags = self._unscale_grads_(optimizer, unit if idle else inv, None)
+            inv = _grads.inv_scale(tensors.scale, mdtype) if unscale else unit
+            first = unit if idle else inv
+            if probe is None:
+                flags = self._unscale_grads_(optimizer, first, None)
+            else:
+                flags = self._unscale_grads_(
+                    optimizer, first, None, amax=probe, check_only=not unscale
+                )
+            amax = None if probe is None else _headroom.local_amax(probe, home)
             if flags and it.saw_gradients():
                 warnings.warn(STALE, RuntimeWarning, stacklevel=4)
             local = _grads.combine_flags(flags, home)
@@ -251,8 +273,10 @@ class ShardedGradScaler(
                 step = tensors.counters[0]
                 policy = _sync.policy_values(self._config)
                 local, anyone, bad, vector = _sync.agreement(
-                    local, step, it.checks, it.vote(), groups, tensors.scale, policy, self._call
-                )
+                    local, step, it.checks, it.vote(), groups, tensors.scale, policy, self._call,
+                    amax,
+                )  # fmt: skip
+                amax = vector[_sync.AMAX] if self._config.policy != "torch" else None
                 self._alarm.note_mismatch(bad, vector, step, it.checks)
                 if self._verify:  # the first agreement since made or loaded: read at once
                     self._verify = False
@@ -261,6 +285,8 @@ class ShardedGradScaler(
             params = list(_grads.iter_params(optimizer)) if idle and flags else None
             if params and it.scaled_elsewhere(anyone, params, "step or unscale_") and unscale:
                 self._unscale_grads_(optimizer, inv, None)  # another rank's scaled gradients
+            if amax is not None:
+                self._headroom.note(amax, math.prod(g.size() for g in groups))
         except BaseException:
             it.failed(optimizer)
             raise
@@ -395,6 +421,7 @@ class ShardedGradScaler(
         read_overflow = it.read_overflow
         found_inf, refs, binary = it.close(state.scale.device)
         if not counts and value is None:
+            self._headroom.forget()
             return  # no rank scaled since the scaler was made or loaded: checkpoint plumbing
         config, bounds = self._config, self._bounds
         if value is not None:
@@ -402,10 +429,14 @@ class ShardedGradScaler(
             state.scale.fill_(value)
             if found_inf is not None:  # the iteration is still counted
                 count_(state.counters, found_inf, old, state.scale)
+            self._headroom.forget()
         else:
             assert found_inf is not None
-            unit = self._loss_scale.unit if bounds.free(config) else None
-            collapsed, old = step_(state, found_inf, config, unit, binary)
+            if config.headroom:
+                collapsed, old = self._headroom.update_(state, found_inf, config)
+            else:
+                unit = self._loss_scale.unit if bounds.free(config) else None
+                collapsed, old = step_(state, found_inf, config, unit, binary)
             if collapsed is not None:
                 self._alarm.note_collapse(collapsed, state.counters[0], old)
         last = None
@@ -434,6 +465,7 @@ class ShardedGradScaler(
         :meth:`clip_grad_norm_` returns): a rank that steps instead is out of step and the next
         agreement raises naming it. No collective, no host read."""
         self._it.abandon()
+        self._headroom.forget()
         self._calls.note("abandon")
 
     def place(self, device: torch.device | str) -> None:
@@ -711,12 +743,15 @@ class ShardedGradScaler(
         Keys: torch's five (``scale``, ``growth_factor``, ``backoff_factor``,
         ``growth_interval``, ``_growth_tracker``), then ``min_scale``, ``max_scale``,
         ``hysteresis``, ``consecutive_hysteresis``, ``dynamic``, ``max_consecutive_skips``,
-        ``on_collapse``, ``_hysteresis_tracker`` and ``_counters``. Empty if disabled. One host
-        read. Call it after :meth:`update` to checkpoint a whole iteration.
+        ``on_collapse``, ``_hysteresis_tracker``, ``_counters``, ``policy``, ``headroom_margin``,
+        ``headroom_history``, ``measure_every``, ``_headroom_history`` (the rule's entries,
+        oldest first: floats) and ``_headroom_backoffs``. Empty if disabled. One host read (two
+        with ``policy="headroom"``). Call it after :meth:`update` to checkpoint a whole
+        iteration.
         """
         if not self._enabled:
             return {}
-        return _checkpoint.to_state_dict(self._config, self.metrics())
+        return _checkpoint.to_state_dict(self._config, self.metrics(), self._headroom.read())
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a state from :meth:`state_dict` or from ``torch.amp.GradScaler.state_dict()``.
@@ -745,6 +780,7 @@ class ShardedGradScaler(
             )
         loaded = _checkpoint.parse_state_dict(state_dict, self._config, self._asked)
         self._loss_scale.load(loaded.numbers)
+        self._headroom.load(loaded.headroom)
         self._config = loaded.config
         self._it.loaded()  # a step before the next scale() is checkpoint plumbing
         self._verify = True

@@ -38,6 +38,7 @@ class TrainConfig:
     precision: str = "fp16"
     reduce_dtype: str = "fp32"
     scaler: str = "shardscale"
+    policy: str = "torch"
     init_scale: float = 2.0**20
     growth_interval: int = 50
     max_consecutive_skips: int | None = 20
@@ -171,6 +172,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.scaler,
         help="shardscale.ShardedGradScaler, or torch's own scaler for the set-up "
         "(torch.amp.GradScaler; FSDP1: torch's ShardedGradScaler)",
+    )
+    g.add_argument(
+        "--policy",
+        choices=("torch", "headroom"),
+        default=d.policy,
+        help="shardscale, fp16: how the scale moves: torch's rule (growth after "
+        "--growth-interval clean steps) or 'headroom' (from the measured gradient amax, "
+        "docs/headroom.md)",
     )
     g.add_argument(
         "--init-scale",
@@ -332,6 +341,8 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
         if cfg.hidden % 4:
             raise ConfigError(f"--hidden {cfg.hidden} must be a multiple of 4 (4 attention heads).")
         check_text_file(cfg.text, cfg.seq_len)
+    if cfg.policy != "torch" and cfg.scaler != "shardscale":
+        raise ConfigError(f"--policy {cfg.policy} needs --scaler shardscale (torch's has none).")
     check_scaler_options(cfg)
     if not (math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0):
         raise ConfigError(f"--weight-decay must be a finite number >= 0, got {cfg.weight_decay}.")
@@ -349,6 +360,7 @@ _SCALER_OPTIONS = {
     "init_scale": "--init-scale",
     "growth_interval": "--growth-interval",
     "max_consecutive_skips": "--max-consecutive-skips",
+    "policy": "--policy",
 }
 
 

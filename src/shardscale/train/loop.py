@@ -215,6 +215,7 @@ def train(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> dict
         "precision": cfg.precision,
         "reduce_dtype": cfg.reduce_dtype,
         "scaler": cfg.scaler,
+        "policy": cfg.policy,
         "world_size": world,
         "steps": cfg.steps,
         "start_step": start,
@@ -343,6 +344,8 @@ def _setup(cfg: TrainConfig, world: int, device: torch.device) -> str:
 def _plot(cfg: TrainConfig) -> Path:
     rows = report.read_metrics(Path(cfg.out) / report.METRICS)  # type: ignore[arg-type]
     title = f"shardscale train: {cfg.parallel}, {cfg.precision}, scaler={cfg.scaler}"
+    if cfg.policy != "torch":
+        title += f", policy={cfg.policy}"
     return report.plot(rows, Path(cfg.out) / report.PLOT, title)  # type: ignore[arg-type]
 
 

@@ -89,7 +89,7 @@ def make_scaler(cfg: TrainConfig, device: torch.device) -> Any:
     """The loss scaler of ``cfg``.
 
     ``--scaler shardscale``: :class:`~shardscale.ShardedGradScaler` in fp16 (``init_scale``,
-    ``growth_interval``, ``max_consecutive_skips``); :meth:`ShardedGradScaler.guard` in bf16 and
+    ``growth_interval``, ``max_consecutive_skips``, ``policy``); :meth:`ShardedGradScaler.guard` in bf16 and
     fp32 (scale fixed at 1.0, non-finite steps still skipped on every rank).
     ``--scaler torch``: torch's scaler for the set-up in fp16 (``torch.amp.GradScaler``; FSDP1:
     ``torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler``), a disabled
@@ -102,6 +102,7 @@ def make_scaler(cfg: TrainConfig, device: torch.device) -> Any:
                 init_scale=cfg.init_scale,
                 growth_interval=cfg.growth_interval,
                 max_consecutive_skips=cfg.max_consecutive_skips,
+                policy=cfg.policy,
             )
         return ShardedGradScaler.guard(max_consecutive_skips=cfg.max_consecutive_skips)
     if cfg.precision != "fp16":

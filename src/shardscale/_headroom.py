@@ -1,0 +1,292 @@
+"""``policy="headroom"``: the loss scale set from the measured largest |scaled gradient|.
+
+After each clean step every rank knows the largest absolute value of the scaled gradients of
+the whole group (``amax``: each rank's from its check pass, agreed by MAX in the one agreement
+all-reduce, :func:`shardscale._sync.agree`). The rule (evidence and sources:
+``docs/headroom.md``)::
+
+    u    = amax / scale                        # unscaled; exact: the scale is a power of two
+    hist = the last H pushed entries            # H = headroom_history (50)
+    m    = headroom_margin + log2(world)        # 3 bits + log2 of the agreement groups' size
+    clean, measured:  push u (if u > 0)
+    clean:            e' = floor(log2(65504 / max(hist)) - m)   # no growth limit; may go down
+                      (empty history: the scale stays)
+    k-th backoff in a row (an overflow the hysteresis does not absorb):
+                      e' = e - 2**(k-1)         # x0.5, x0.25, x1/16, ...
+                      push 65504 * 2**-(e+m) * 1.0001: max(hist) keeps e' <= e-1 for H steps
+    scale = 2**e', clamped to [max(min_scale, 1), max_scale]
+
+Everything here is small tensor code on the scale's device, no host read, the same on every
+rank given the same agreed inputs (so every rank computes the same scale): :func:`step_` in
+place, :func:`next_state` pure. :class:`Headroom` is the scaler's holder of the rule's state
+(numbers until placed, then :class:`HeadroomState` tensors) and of the iteration's agreed amax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from ._config import ScalerConfig
+from ._policy import ScaleState, count_, math_dtype
+
+#: fp16's largest finite value.
+FP16_MAX = 65504.0
+#: An overflow's pseudo entry is this much above the amax whose target is one exponent below
+#: the overflowing one, so that ``floor`` lands on ``e - 1`` despite rounding (1e-4 relative
+#: >> float32's 6e-8).
+PSEUDO_SLACK = 1.0001
+
+
+def margin_bits(config: ScalerConfig, world: int) -> float:
+    """Bits kept between ``max(hist) * scale`` and 65504: ``headroom_margin + log2(world)``
+    (``world``: the number of ranks whose gradients the agreed amax covers; a rank's own
+    gradients sit ~log2(world) bits above the averaged ones, ``docs/headroom.md``)."""
+    return config.headroom_margin + math.log2(max(int(world), 1))
+
+
+def exponent_range(config: ScalerConfig) -> tuple[int, int]:
+    """``(lo, hi)``: the exponents of the smallest and largest powers of two inside
+    ``[config.lowest, config.max_scale]`` (``hi >= lo``; a range holding no power of two is
+    then clamped by the scale's own clamp)."""
+    lo = math.ceil(math.log2(config.lowest))
+    hi = math.floor(math.log2(config.max_scale))
+    return lo, max(lo, hi)
+
+
+@dataclasses.dataclass
+class HeadroomState:
+    """The rule's state, tensors on the scale's device.
+
+    Attributes:
+        history: 1-d float32 of length ``headroom_history``: a ring of unscaled amaxes and
+            overflows' pseudo entries; 0.0 marks an empty slot.
+        index: 0-d int64, the slot the next entry is written to.
+        backoffs: 0-d int32, backoffs in a row (reset by a clean step).
+    """
+
+    history: torch.Tensor
+    index: torch.Tensor
+    backoffs: torch.Tensor
+
+    @classmethod
+    def create(
+        cls, device: torch.device, length: int, entries: tuple[float, ...], backoffs: int
+    ) -> HeadroomState:
+        """A state on ``device`` holding the last ``length`` of ``entries`` (oldest first)."""
+        kept = list(entries)[-length:] if length else []
+        values = kept + [0.0] * (length - len(kept))
+        return cls(
+            history=torch.tensor(values, dtype=torch.float32).to(device),
+            index=torch.full((), len(kept) % length, dtype=torch.int64, device=device),
+            backoffs=torch.full((), backoffs, dtype=torch.int32, device=device),
+        )
+
+    def clone(self) -> HeadroomState:
+        return HeadroomState(*(t.clone() for t in dataclasses.astuple(self)))
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadroomNumbers:
+    """The rule's state as plain numbers (before it is placed, as read, in a state dict).
+
+    Attributes:
+        history: the entries, oldest first (unscaled amaxes and pseudo entries, all > 0).
+        backoffs: backoffs in a row.
+    """
+
+    history: tuple[float, ...] = ()
+    backoffs: int = 0
+
+
+def read(state: HeadroomState) -> HeadroomNumbers:
+    """``state`` as numbers: one host read."""
+    values = torch.cat([state.history.double(), state.index.double().reshape(1),
+                        state.backoffs.double().reshape(1)]).tolist()  # fmt: skip
+    ring, index, backoffs = values[:-2], int(values[-2]), int(values[-1])
+    ordered = ring[index:] + ring[:index]  # oldest first
+    return HeadroomNumbers(tuple(v for v in ordered if v > 0.0), backoffs)
+
+
+def step_(
+    state: ScaleState,
+    rule: HeadroomState,
+    found_inf: torch.Tensor,
+    amax: torch.Tensor,
+    config: ScalerConfig,
+    world: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One update of ``policy="headroom"`` (module docstring), in place: ``state``'s scale,
+    trackers and counters and ``rule``'s history. Tensor ops only, no host read.
+
+    The hysteresis is :func:`shardscale._policy.step_`'s: an overflow it absorbs keeps the
+    scale (no entry pushed); the growth tracker counts clean steps since the scale last rose or
+    an overflow (below ``growth_interval``, which is otherwise unused).
+
+    Args:
+        state: the scale state; updated in place.
+        rule: the history; updated in place.
+        found_inf: 0-d float32 on the state's device: optimizers that overflowed, agreed.
+        amax: 0-d float32 there: the largest |scaled gradient| of the iteration over the
+            ranks (any value < 0: not measured; ignored after an overflow).
+        config: the policy (``config.headroom``).
+        world: the ranks the amax covers (:func:`margin_bits`), a host constant.
+
+    Returns:
+        ``(collapsed, old_scale)``: 0-d bool (a backoff due at or below ``config.lowest``, or
+        ``max_consecutive_skips`` reached) and a 0-d copy of the scale before the update.
+    """
+    scale, gt, ht = state.scale, state.growth_tracker, state.hysteresis_tracker
+    dtype = math_dtype(scale.device)
+    margin = margin_bits(config, world)
+    lo_e, hi_e = exponent_range(config)
+    overflow = found_inf > 0
+    old = scale.clone()
+    wide = old.to(dtype)
+    e = torch.floor(torch.log2(wide))
+    simple = config.hysteresis == 1 and not config.consecutive_hysteresis
+    if simple:
+        backoff_due = overflow
+        ht_after = ht
+    else:
+        ht_after = torch.where(overflow, (ht - 1).clamp_min(0), ht)
+        backoff_due = overflow & (ht_after == 0)
+    zero = torch.zeros_like(rule.backoffs)
+    backoffs = torch.where(backoff_due, rule.backoffs + 1, torch.where(overflow, rule.backoffs, zero))
+    e_back = e - torch.exp2((backoffs - 1).clamp_min(0).to(dtype))
+    pseudo = torch.exp2(-(e + margin)) * (FP16_MAX * PSEUDO_SLACK)
+    u = amax.to(dtype) / wide
+    fresh = ~overflow & torch.isfinite(u) & (u > 0)
+    push = backoff_due | fresh
+    slot = rule.index.reshape(1)
+    entry = torch.where(push, torch.where(overflow, pseudo, u).float(), rule.history.gather(0, slot))
+    rule.history.scatter_(0, slot, entry.reshape(1))
+    rule.index.copy_((rule.index + push.long()) % rule.history.numel())
+    peak = rule.history.max().to(dtype)
+    known = peak > 0
+    target = torch.floor(torch.log2(FP16_MAX / torch.where(known, peak, 1.0)) - margin)
+    e_new = torch.where(overflow, e_back, target).clamp(lo_e, hi_e)
+    keep = (overflow & ~backoff_due) | (~overflow & ~known)  # absorbed, or nothing known yet
+    new = torch.where(keep, wide, torch.exp2(e_new)).float()
+    scale.copy_(new.clamp(config.lowest, config.max_scale))
+    grew = scale > old
+    gt.copy_(torch.where(overflow | grew, 0, (gt + 1).clamp_max(config.growth_interval - 1)))
+    if not simple:
+        refill = (grew | ~overflow) if config.consecutive_hysteresis else grew
+        ht.copy_(torch.where(refill, config.hysteresis, ht_after))
+    rule.backoffs.copy_(backoffs)
+    count_(state.counters, found_inf, old, scale)
+    collapsed = backoff_due & (old <= config.lowest)
+    if config.max_consecutive_skips is not None:
+        collapsed = collapsed | (state.counters[2] >= config.max_consecutive_skips)
+    return collapsed, old
+
+
+def next_state(
+    state: ScaleState,
+    rule: HeadroomState,
+    found_inf: torch.Tensor,
+    amax: torch.Tensor,
+    config: ScalerConfig,
+    world: int = 1,
+) -> tuple[ScaleState, HeadroomState, torch.Tensor]:
+    """:func:`step_` on copies: pure. Returns ``(new_state, new_rule, collapsed)``."""
+    new, new_rule = state.clone(), rule.clone()
+    collapsed, _ = step_(new, new_rule, found_inf, amax, config, world)
+    return new, new_rule, collapsed
+
+
+def local_amax(
+    amaxes: dict[torch.device, torch.Tensor], home: torch.device
+) -> torch.Tensor:
+    """The MAX of per-device 0-d amaxes (:func:`shardscale._grads.measure_and_check`) as one
+    0-d float32 on ``home``; 0.0 when there is none (a rank holding no gradient)."""
+    own = amaxes.get(home)
+    if own is not None and len(amaxes) == 1:
+        return own
+    out = torch.zeros((), dtype=torch.float32, device=home)
+    for value in amaxes.values():
+        out = torch.maximum(out, value.to(home))
+    return out
+
+
+class Headroom:
+    """The scaler's ``policy="headroom"`` state: the rule's history (:class:`HeadroomNumbers`
+    until placed, then :class:`HeadroomState` on the scale's device) and this iteration's
+    agreed amax.
+
+    Attributes:
+        numbers: the state to create when placed (initial or loaded).
+        tensors: the state on its device, or None.
+        pending: 0-d float32, the MAX of this iteration's agreed amaxes (< 0: not measured),
+            or None before the first check.
+        world: the ranks the amax covers (product of the agreement groups' sizes).
+        updates: updates seen by this object (host count: ``measure_every``'s phase).
+    """
+
+    def __init__(self, numbers: HeadroomNumbers | None = None) -> None:
+        self.numbers = numbers or HeadroomNumbers()
+        self.tensors: HeadroomState | None = None
+        self.pending: torch.Tensor | None = None
+        self.world = 1
+        self.updates = 0
+
+    def due(self, config: ScalerConfig) -> bool:
+        """Whether a non-fused step of this iteration measures (every ``measure_every``-th)."""
+        return self.updates % config.measure_every == 0
+
+    def note(self, amax: torch.Tensor, world: int) -> None:
+        """An agreed amax of this iteration (0-d float32; < 0: not measured)."""
+        self.pending = amax if self.pending is None else torch.maximum(self.pending, amax)
+        self.world = world
+
+    def take(self, home: torch.device) -> torch.Tensor:
+        """The iteration's amax (-1.0: not measured), and a fresh iteration."""
+        amax = self.pending
+        self.pending = None
+        self.updates += 1
+        if amax is None:
+            return torch.full((), -1.0, dtype=torch.float32, device=home)
+        return amax.to(home)
+
+    def request(self, config: ScalerConfig, check_only: bool) -> dict | None:
+        """A dict for a check to fill with per-device amaxes, or None: not measuring (another
+        policy, or a non-fused step between two ``measure_every`` ones)."""
+        if config.headroom and (check_only or self.due(config)):
+            return {}
+        return None
+
+    def update_(
+        self, state: ScaleState, found_inf: torch.Tensor, config: ScalerConfig
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``update()`` under ``policy="headroom"``: :func:`step_` with this iteration's amax;
+        returns its ``(collapsed, old_scale)``."""
+        home = state.scale.device
+        rule, amax = self.place(home, config), self.take(home)
+        return step_(state, rule, found_inf, amax, config, self.world)
+
+    def forget(self) -> None:
+        """The iteration was abandoned: its amax is dropped."""
+        self.pending = None
+
+    def place(self, device: torch.device, config: ScalerConfig) -> HeadroomState:
+        """The tensors on ``device`` (created, moved, or resized to ``headroom_history``)."""
+        t = self.tensors
+        if t is None or t.history.numel() != config.headroom_history:
+            numbers = self.numbers if t is None else read(t)
+            self.tensors = HeadroomState.create(
+                device, config.headroom_history, numbers.history, numbers.backoffs
+            )
+        elif t.history.device != device:
+            self.tensors = HeadroomState(*(x.to(device) for x in dataclasses.astuple(t)))
+        return self.tensors
+
+    def read(self) -> HeadroomNumbers:
+        """The state as numbers (one host read once placed)."""
+        return self.numbers if self.tensors is None else read(self.tensors)
+
+    def load(self, numbers: HeadroomNumbers) -> None:
+        """Install validated ``numbers`` (the tensors are re-created at the next update)."""
+        self.numbers, self.tensors, self.pending = numbers, None, None
