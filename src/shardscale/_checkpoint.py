@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ._alarm import Schedule
-from ._config import INT32_MAX, INT64_MAX, ScalerConfig, check_real, check_scale
+from ._config import INT32_MAX, INT64_MAX, POLICY_FIELDS, ScalerConfig, check_real, check_scale
 from ._headroom import Headroom, HeadroomNumbers
 from ._iteration import Iteration
 from ._join import CallLog
@@ -21,22 +21,7 @@ from ._report import ParamNames, Reporter
 #: The keys of ``torch.amp.GradScaler.state_dict()``, required in every loaded state.
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 #: The config fields a state dict may carry (each optional when loading).
-CONFIG_KEYS = (
-    "growth_factor",
-    "backoff_factor",
-    "growth_interval",
-    "min_scale",
-    "max_scale",
-    "hysteresis",
-    "consecutive_hysteresis",
-    "dynamic",
-    "max_consecutive_skips",
-    "on_collapse",
-    "policy",
-    "headroom_margin",
-    "headroom_history",
-    "measure_every",
-)
+CONFIG_KEYS = POLICY_FIELDS
 
 
 @dataclasses.dataclass(frozen=True)

@@ -119,6 +119,26 @@ def check_scale(name: str, value: object, min_scale: float, max_scale: float) ->
     return v
 
 
+#: The policy's fields (``ScalerConfig`` attribute names), in order: what a state dict may carry
+#: and what the ranks' agreement compares.
+POLICY_FIELDS = (
+    "growth_factor",
+    "backoff_factor",
+    "growth_interval",
+    "min_scale",
+    "max_scale",
+    "hysteresis",
+    "consecutive_hysteresis",
+    "dynamic",
+    "max_consecutive_skips",
+    "on_collapse",
+    "policy",
+    "headroom_margin",
+    "headroom_history",
+    "measure_every",
+)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ScalerConfig:
     """The dynamic loss-scale policy: how the scale moves after each step.

@@ -14,6 +14,7 @@ from typing import Any, Union
 import torch
 import torch.distributed as dist
 
+from ._config import POLICY_FIELDS
 from ._grads import to_device
 
 try:
@@ -218,22 +219,7 @@ def all_reduce(
 #: (the largest |scaled gradient| of the ranks that measured it, ``policy="headroom"``; -1: none).
 FOUND, STEP, NEG_STEP, CHECK, NEG_CHECK, SCALED, ERROR, SCALE, NEG_SCALE, AMAX = range(10)
 #: The policy fields compared across ranks (``ScalerConfig`` attribute names), in order.
-POLICY = (
-    "growth_factor",
-    "backoff_factor",
-    "growth_interval",
-    "min_scale",
-    "max_scale",
-    "hysteresis",
-    "consecutive_hysteresis",
-    "dynamic",
-    "max_consecutive_skips",
-    "on_collapse",
-    "policy",
-    "headroom_margin",
-    "headroom_history",
-    "measure_every",
-)
+POLICY = POLICY_FIELDS
 #: Length of the agreement vector.
 LENGTH = AMAX + 1 + 2 * len(POLICY)
 #: What a rank that fails a call-order check tells the others (:func:`poison`), by code.
