@@ -442,3 +442,36 @@ def test_import_shardscale_does_not_import_torchtitan():
         "assert not any(m.startswith('torchtitan') for m in sys.modules), 'torchtitan imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+_HEADROOM_FIGURES = """
+import torch
+from _titan import install_cpu_scaffolding
+
+install_cpu_scaffolding()  # torchtitan's optional triton import
+from shardscale.integrations.torchtitan import LossScalingConfig, scaler_metrics
+
+for policy, keys in (("torch", set()), ("headroom", {"headroom_bits", "underflow"})):
+    scaler = LossScalingConfig(policy=policy, init_scale=1024.0).build(torch.device("cpu"))
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    scaler.scale(model(torch.ones(3, 4)).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    figures = scaler_metrics(scaler)
+    assert set(figures) - {"loss_scale", "skipped_steps"} == keys, (policy, figures)
+    if keys:
+        assert 0 < figures["headroom_bits"] < 16 and figures["underflow"] == 0.0, figures
+print("ok")
+"""
+
+
+def test_headroom_policy_from_the_command_line_logs_its_figures():
+    """``--loss_scaling.policy headroom`` builds a headroom scaler, and the metrics gain the
+    last step's headroom bits and underflow fraction (torch's rule: not). In a process of its
+    own (torchtitan's CPU scaffolding)."""
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(__file__)}
+    out = subprocess.run(
+        [sys.executable, "-c", _HEADROOM_FIGURES], env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]

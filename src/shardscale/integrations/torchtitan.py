@@ -108,6 +108,10 @@ class LossScalingConfig:
     dynamic: bool = True
     """False: the scale stays at init_scale (guard mode: non-finite steps are still skipped)."""
 
+    policy: Literal["torch", "headroom"] = "torch"
+    """How the scale moves: torch's rule, or set from the gradients' measured headroom (see
+    shardscale's docs/headroom.md)."""
+
     report_overflows: bool = False
     """Log which parameters overflowed, on which rank, after each overflow (one host read per
     step, one all-gather on overflow)."""
@@ -215,10 +219,22 @@ def _scale_and_skips(scaler: ShardedGradScaler) -> dict[str, float]:
     return {"loss_scale": m["scale"], "skipped_steps": m["skipped_steps"]}
 
 
+def _headroom_figures(scaler: ShardedGradScaler) -> dict[str, float]:
+    """With ``policy="headroom"``: the last step's headroom bits and underflow fraction
+    (:meth:`ShardedGradScaler.numerics`, one pass over the gradients when logged)."""
+    if scaler.config.policy != "headroom":
+        return {}
+    numerics = scaler.numerics()
+    return {} if numerics is None else numerics.as_dict()
+
+
 #: Where the scaler's figures in torchtitan's metrics come from: each entry takes the scaler
 #: and returns ``{name: number}``, merged into every metrics log, in order. Add a source in
 #: one line, e.g. ``METRIC_SOURCES.append(lambda scaler: scaler.numerics())``.
-METRIC_SOURCES: list[Callable[[ShardedGradScaler], Mapping[str, float]]] = [_scale_and_skips]
+METRIC_SOURCES: list[Callable[[ShardedGradScaler], Mapping[str, float]]] = [
+    _scale_and_skips,
+    _headroom_figures,
+]
 
 
 def scaler_metrics(scaler: ShardedGradScaler) -> dict[str, float]:
