@@ -361,13 +361,19 @@ def _derived_config(config: Any, mixin: type, prefix: str) -> Any:
     component (the class ``build()`` constructs) has ``mixin``'s methods first; the classes are
     made once per (config class, mixin)."""
     base = type(config)
+    owner = base._owner
+    doc = f"torchtitan's {owner.__name__} with {mixin.__doc__}"
+    return _copy_into(_config_class(base, mixin, f"{prefix}{owner.__name__}", [], doc), config)
+
+
+def _config_class(base: type, mixin: type, name: str, fields: list, doc: str) -> type:
+    """The Config class (a subclass of ``base`` with ``fields``) of a component class ``name``
+    deriving from ``mixin`` and ``base``'s component: made once per (``base``, ``mixin``)."""
     key = (base, mixin)
     if key not in _DERIVED:
-        owner = base._owner
-        name = f"{prefix}{owner.__name__}"
         derived_config = dataclasses.make_dataclass(
             "Config",
-            [],
+            fields,
             bases=(base,),
             kw_only=True,
             slots=True,
@@ -375,15 +381,12 @@ def _derived_config(config: Any, mixin: type, prefix: str) -> Any:
         )
         _DERIVED[key] = types.new_class(
             name,
-            (mixin, owner),
+            (mixin, base._owner),
             exec_body=lambda ns: ns.update(
-                Config=derived_config,
-                __module__=__name__,
-                __qualname__=name,
-                __doc__=f"torchtitan's {owner.__name__} with {mixin.__doc__}",
+                Config=derived_config, __module__=__name__, __qualname__=name, __doc__=doc
             ),
         ).Config
-    return _copy_into(_DERIVED[key], config)
+    return _DERIVED[key]
 
 
 def _derived_lr_config(config: Any) -> Any:
@@ -531,28 +534,9 @@ def _trainer_config_class(base: type) -> type:
         raise TypeError(
             f"to_fp16() takes a torchtitan trainer config (a Trainer.Config), got {base.__name__}."
         )
-    key = (base, _LossScaling)
-    if key not in _DERIVED:
-        name = f"Shardscale{owner.__name__}"
-        config = dataclasses.make_dataclass(
-            "Config",
-            [("loss_scaling", LossScalingConfig, field(default_factory=LossScalingConfig))],
-            bases=(base,),
-            kw_only=True,
-            slots=True,
-            namespace={"__module__": __name__, "__qualname__": f"{name}.Config"},
-        )
-        _DERIVED[key] = types.new_class(
-            name,
-            (_LossScaling, owner),
-            exec_body=lambda ns: ns.update(
-                Config=config,
-                __module__=__name__,
-                __qualname__=name,
-                __doc__=f"torchtitan's {owner.__name__} with fp16 loss scaling by shardscale.",
-            ),
-        ).Config
-    return _DERIVED[key]
+    loss_scaling = ("loss_scaling", LossScalingConfig, field(default_factory=LossScalingConfig))
+    doc = f"torchtitan's {owner.__name__} with fp16 loss scaling by shardscale."
+    return _config_class(base, _LossScaling, f"Shardscale{owner.__name__}", [loss_scaling], doc)
 
 
 def _fp16_training(training: TrainingConfig) -> TrainingConfig:
