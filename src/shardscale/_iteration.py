@@ -414,6 +414,18 @@ class Iteration:
             raise RuntimeError("last_step_skipped(): update() has not been called yet.")
         return self.last.found_inf > 0
 
+    def left_scaled(self) -> list[tuple[Any, bool]]:
+        """The optimizers of the iteration :attr:`last` closed, each with whether its gradients
+        still hold the scale: a fused step's (or a folded clip's) whose kernel skipped the step
+        (a kernel that steps unscales them in place). One host read per such optimizer."""
+        last = self.last
+        if last is None:
+            return []
+        return [
+            (o, id(o) in last.still_scaled and bool(self.skipped_flag(o)))
+            for o in last.live_optimizers()
+        ]
+
     def skipped_flag(self, optimizer: Any) -> torch.Tensor | None:
         """Whether ``optimizer``'s last step was skipped, as a 0-d bool tensor (None: never
         stepped)."""

@@ -216,6 +216,17 @@ class LossScale:
         if self.tensors is not None:
             self.tensors.growth_tracker.clamp_(max=min(last, 2**31 - 1))
 
+    def set_(self, value: float, found_inf: torch.Tensor | None) -> torch.Tensor:
+        """``update(new_scale)``: the scale set to ``value`` (validated), the trackers kept (as
+        torch); the iteration counted when it was checked (``found_inf``, 0-d on the state's
+        device). Returns a 0-d copy of the scale before."""
+        state = self.tensors
+        old = state.scale.clone()
+        state.scale.fill_(value)
+        if found_inf is not None:
+            count_(state.counters, found_inf, old, state.scale)
+        return old
+
     def read(self, extra: torch.Tensor | None = None) -> tuple[Numbers, float]:
         """The state as numbers, and ``extra`` (a 0-d tensor on the state's device, e.g. the
         last found-inf flag; 0.0 if None): one host read (of :attr:`math` values), none before
@@ -399,8 +410,14 @@ class HostBounds:
         except OverflowError:
             return math.inf
 
-    def after_update(self, config: ScalerConfig, seen_clean: bool) -> None:
-        """One update happened; ``seen_clean``: the host read every flag of it and none was set."""
+    def after_update(
+        self, config: ScalerConfig, seen_clean: bool, value: float | None = None
+    ) -> None:
+        """One update happened; ``seen_clean``: the host read every flag of it and none was set;
+        ``value``: the scale it set (``update(new_scale)``), known exactly."""
+        if value is not None:
+            self.set_exact(value)
+            return
         self.since += 1
         if config.headroom:  # any update lands in [config.lowest, max_scale] (>= 1)
             self.lo = config.lowest

@@ -242,8 +242,6 @@ class TorchInternals:
         """Whether scaling is enabled."""
         return self._enabled
 
-    def _begin(self, method: str, optimizer: Any) -> dict[str, Any]:  # the facade's
-        raise NotImplementedError
-
-    def _check(self, optimizer: Any, state: dict[str, Any], unscale: bool) -> dict[str, Any]:
-        raise NotImplementedError
+    # the scaler's: _begin (the facade), _check (_checking.Checking)
+    _begin: Any
+    _check: Any

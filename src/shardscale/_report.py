@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import warnings
 import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -328,6 +329,28 @@ class Reporter:
         report = self.build(last, groups, shadowing)
         if all(g.rank() == 0 for g in groups):
             logger.warning("%s", report)
+
+    def collapsed(
+        self,
+        collapse: tuple[int, float],
+        config: ScalerConfig,
+        last: LastStep | None,
+        groups: list[Any],
+        shadowing: bool = False,
+    ) -> None:
+        """The alarm read a collapse (``(step, scale)``): raise the :class:`ScaleCollapseError`
+        naming every rank's non-finite gradients of ``last`` (gathered over ``groups``: every
+        rank reads the alarm at the same update), or warn with it (``on_collapse="warn"``).
+
+        Raises:
+            ScaleCollapseError: ``config.on_collapse == "raise"``.
+        """
+        optimizers = last.live_optimizers() if last is not None else []
+        entries = self.scan(optimizers, groups, shadowing)
+        error = collapse_error(config, *collapse, entries, _sync.rank())
+        if config.on_collapse == "raise":
+            raise error
+        warnings.warn(str(error), RuntimeWarning, stacklevel=4)
 
     def scan(self, optimizers: list[Any], groups: list[Any], shadowing: bool = False) -> list:
         """The non-finite gradients of ``optimizers`` on this rank, gathered over ``groups``

@@ -17,6 +17,12 @@ per step until a step is taken) and a skipped step does not call the optimizer, 
 one: the state stays empty.
 
 The optimizer's own ``step`` is kept out of ``torch.compile`` graphs (it breaks them anyway).
+
+:class:`Stepping` is a mixin of :class:`shardscale.ShardedGradScaler`: each kind's step after
+the record of the check (``_checking.Checking``), recorded by
+:meth:`~shardscale._iteration.Iteration.stepped`. It reads the scaler's ``_it``, ``_calls``,
+``_schedule``, ``_bounds`` and ``_loss_scale``, and calls its ``_check``, ``_unscale`` and
+``_poll``.
 """
 
 from __future__ import annotations
@@ -27,8 +33,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.amp.grad_scaler import OptState
 
-from ._grads import to_device
+from ._grads import to_device, unscaled_or_tied
 
 #: fused SGDs whose momentum buffers all exist -> ``id`` of the state they exist in (a loaded
 #: state is a new one)
@@ -132,3 +139,54 @@ def with_grad_scaler(
     flags = list(state["found_inf_per_device"].values())
     skipped = sum(flags) > 0 if flags else torch.tensor(False, device="cpu")
     return retval, skipped
+
+
+class Stepping:
+    """The scaler's step of each kind of optimizer (see the module docstring)."""
+
+    _it: Any
+    _calls: Any
+    _schedule: Any
+    _bounds: Any
+    _loss_scale: Any
+    _check: Any
+    _unscale: Any
+    _poll: Any
+
+    @torch.compiler.disable  # the host read; the schedule's count would recompile a graph
+    def _plain_step(self, optimizer: Any, state: dict[str, Any], args: Any, kwargs: Any) -> Any:
+        """A checked non-fused ``optimizer`` (``state``: its record): one host read of the
+        agreed flag, ``optimizer.step`` only if it is 0."""
+        if self._schedule.step():  # a compiled loop's catch-up read of the alarm
+            self._poll()
+        flags = list(state["found_inf_per_device"].values())
+        overflow, retval = plain(optimizer, flags, self._calls.shadowing, args, kwargs)
+        self._it.stepped(optimizer, state, overflow)
+        return retval
+
+    def _fused_step(self, optimizer: Any, state: dict[str, Any], args: Any, kwargs: Any) -> Any:
+        """A fused ``optimizer``: checked (not unscaled) unless unscaled already, then stepped
+        with ``grad_scale``/``found_inf`` tensors: no host read."""
+        scale = self._loss_scale.tensors.scale
+        if state["stage"] is OptState.READY:
+            if self._bounds.below_one or unscaled_or_tied(optimizer, self._it.pre_unscaled):
+                # part is unscaled already, a tied parameter, or the scale may be below 1 (the
+                # kernel's 1/scale could overflow unseen): unscale in place, checked
+                self._unscale(optimizer, state)
+            else:
+                self._check(optimizer, state, unscale=False)["grad_scale"] = scale
+        user = getattr(optimizer, "grad_scale", None)
+        grad_scale, found_inf = fused_inputs(state, user, scale.device)
+        self._it.stepped(optimizer, state, found_inf > 0)
+        shadowing, catch_up = self._calls.shadowing, (self._schedule, self._poll)
+        return fused(optimizer, grad_scale, found_inf, user, shadowing, catch_up, *args, **kwargs)
+
+    def _grad_scaler_step(self, optimizer: Any, state: dict[str, Any], args: Any, kwargs: Any):
+        """An optimizer on torch's ``grad_scaler=`` protocol: it unscales itself through the
+        scaler's internals (``_protocol``)."""
+        state["optimizer"] = weakref.ref(optimizer)
+        shadowing = self._calls.shadowing
+        retval, skipped = with_grad_scaler(optimizer, self, state, shadowing, args, kwargs)
+        self._it.stepped(optimizer, state, skipped)
+        self._schedule.unread = True
+        return retval

@@ -1,17 +1,15 @@
 """``ShardedGradScaler``: a ``torch.amp.GradScaler`` that is correct across shards and ranks.
 
-The facade: each public method names its steps and delegates to the module of each concern
-(``_config`` arguments, ``_policy`` the rule and the scale state, ``_grads`` the local check,
-``_sync`` the collectives, ``_clip`` clipping, ``_iteration`` the record, ``_alarm`` what the
-device noticed, ``_report`` reports, ``_checkpoint`` state dicts and pickling, ``_join`` Join,
-``_protocol`` torch's private internals).
-"""
+The facade: each public method names its steps and delegates to the room of each concern:
+``_config`` arguments, ``_policy`` the rule and the scale state (``_headroom``: the measured
+rule), ``_grads`` the local check, ``_sync`` the collectives, ``_checking`` one optimizer's
+check (local check -> agreement -> record), ``_stepping`` the step of each kind of optimizer,
+``_clip`` / ``_clipping`` the clip and its place in the iteration, ``_iteration`` the record,
+``_alarm`` what the device noticed, ``_report`` reports, ``_numerics`` numerics,
+``_checkpoint`` state dicts and pickling, ``_join`` Join, ``_protocol`` torch's internals."""
 
 from __future__ import annotations
 
-import math
-import warnings
-import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any, overload
 
@@ -19,20 +17,30 @@ import torch
 from torch.amp.grad_scaler import OptState
 from torch.distributed.algorithms.join import Joinable
 
-from . import _checkpoint, _clip, _grads, _headroom, _join, _numerics, _stepping, _sync
+from . import _checkpoint, _clip, _grads, _headroom, _join, _numerics, _sync
 from ._alarm import POLL_EVERY, Alarm, Schedule
+from ._checking import Checking
+from ._clipping import Clipping
 from ._config import ScalerConfig, check_device, check_flag, check_new_scale, guard_kwargs, settings
-from ._iteration import ORDER, STALE, Iteration, LastStep
+from ._iteration import ORDER, Iteration, LastStep
 from ._numerics import Numerics
-from ._policy import HostBounds, LossScale, Numbers, count_, step_
+from ._policy import HostBounds, LossScale, Numbers, step_
 from ._protocol import TorchInternals, is_optimizer, step_kind
-from ._report import OverflowReport, Reporter, collapse_error, name_params
+from ._report import OverflowReport, Reporter, name_params
+from ._stepping import Stepping
 
 __all__ = ["ShardedGradScaler", "OptState", "POLL_EVERY"]
 
 
 class ShardedGradScaler(
-    TorchInternals, _checkpoint.Picklable, _join.JoinableScaler, torch.amp.GradScaler, Joinable
+    Checking,
+    Stepping,
+    Clipping,
+    TorchInternals,
+    _checkpoint.Picklable,
+    _join.JoinableScaler,
+    torch.amp.GradScaler,
+    Joinable,
 ):
     """Dynamic loss scaling for fp16/bf16 training, correct across shards and ranks.
 
@@ -221,77 +229,6 @@ class ShardedGradScaler(
         self._unscale(optimizer, self._begin("unscale_", optimizer))
         self._calls.note("unscale_", optimizer)
 
-    def _unscale(self, optimizer: Any, state: dict[str, Any]) -> None:
-        if state["stage"] is OptState.UNSCALED:
-            self._fail(
-                1,
-                "unscale_() has already been called on this optimizer since the last update(); "
-                f"call it at most once per optimizer per iteration: {ORDER}.",
-            )
-        if state["stage"] is OptState.STEPPED:
-            self._fail(3, f"unscale_() is being called after step(); the order is {ORDER}.")
-        self._check(optimizer, state, unscale=True)
-
-    def _check(self, optimizer: Any, state: dict[str, Any], unscale: bool) -> dict[str, Any]:
-        """Local check (and unscale) -> agreement -> record: ``optimizer``'s record with its
-        agreed flag. This rank's flag covers its gradients (checked again unscaled when the
-        scale may be below 1) and those a clip of parameters unscaled. ONE all-reduce
-        (:func:`_sync.agree`: the flag, step, check ordinal, scale and policy): ranks that
-        differ set the flag (the step is skipped) and the alarm, read at the first agreement
-        since made or loaded and by :meth:`update`, raises naming what differs. A rank with no
-        ``scale()`` since made or loaded unscales once the agreement says another rank scaled
-        (else its gradients must be zero). On error the iteration is not started."""
-        it, tensors, unit = self._it, self._loss_scale.tensors, self._loss_scale.unit
-        home, mdtype = tensors.scale.device, self._loss_scale.math
-        idle = not (it.scaled_here or it.ever_scaled)
-        probe = None  # policy="headroom": the amax is measured in the check pass
-        if self._config.policy != "torch":
-            probe = self._headroom.request(self._config, check_only=not unscale)
-        try:
-            inv = _grads.inv_scale(tensors.scale, mdtype) if unscale else unit
-            first = unit if idle else inv
-            if probe is None:
-                flags = self._unscale_grads_(optimizer, first, None)
-            else:
-                flags = self._unscale_grads_(
-                    optimizer, first, None, amax=probe, check_only=not unscale
-                )
-            amax = None if probe is None else _headroom.local_amax(probe, home)
-            if flags and it.saw_gradients():
-                warnings.warn(STALE, RuntimeWarning, stacklevel=4)
-            local = _grads.combine_flags(flags, home)
-            if unscale and self._bounds.below_one:  # 1/scale > 1: finite values may overflow
-                local = torch.maximum(
-                    local, _grads.combine_flags(self._unscale_grads_(optimizer, unit, None), home)
-                )
-            for flag in it.pre_unscaled_in(optimizer) if it.pre_unscaled else ():
-                local = torch.maximum(local, flag)  # unscaled by clip_grad_norm_(params)
-            anyone = None
-            groups = _sync.cover(self.process_group, optimizer)
-            if groups:
-                _join.check_order(self._join_config)
-                step = tensors.counters[0]
-                policy = _sync.policy_values(self._config)
-                local, anyone, bad, vector = _sync.agreement(
-                    local, step, it.checks, it.vote(), groups, tensors.scale, policy, self._call,
-                    amax,
-                )  # fmt: skip
-                amax = vector[_sync.AMAX] if self._config.policy != "torch" else None
-                self._alarm.note_mismatch(bad, vector, step, it.checks)
-                if self._verify:  # the first agreement since made or loaded: read at once
-                    self._verify = False
-                    if bool(bad):
-                        self._poll()
-            params = list(_grads.iter_params(optimizer)) if idle and flags else None
-            if params and it.scaled_elsewhere(anyone, params, "step or unscale_") and unscale:
-                self._unscale_grads_(optimizer, inv, None)  # another rank's scaled gradients
-            if amax is not None:
-                self._headroom.note(amax, math.prod(g.size() for g in groups))
-        except BaseException:
-            it.failed(optimizer)
-            raise
-        return it.checked(optimizer, state, local, anyone, unscale)
-
     # ------------------------------------------------------------------- step
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless :meth:`unscale_` was called), then step ``optimizer`` unless any rank
@@ -339,42 +276,6 @@ class ShardedGradScaler(
         else:
             retval = self._fused_step(optimizer, state, args, kwargs)
         self._calls.note("step", optimizer)
-        return retval
-
-    @torch.compiler.disable  # the host read; the schedule's count would recompile a graph
-    def _plain_step(self, optimizer: Any, state: dict[str, Any], args: Any, kwargs: Any) -> Any:
-        if self._schedule.step():  # a compiled loop's catch-up read of the alarm
-            self._poll()
-        flags = list(state["found_inf_per_device"].values())
-        overflow, retval = _stepping.plain(optimizer, flags, self._calls.shadowing, args, kwargs)
-        self._it.stepped(optimizer, state, overflow)
-        return retval
-
-    def _fused_step(self, optimizer: Any, state: dict[str, Any], args: Any, kwargs: Any) -> Any:
-        scale = self._loss_scale.tensors.scale
-        if state["stage"] is OptState.READY:
-            if self._bounds.below_one or _grads.unscaled_or_tied(optimizer, self._it.pre_unscaled):
-                # part is unscaled already, a tied parameter, or the scale may be below 1 (the
-                # kernel's 1/scale could overflow unseen): unscale in place, checked
-                self._unscale(optimizer, state)
-            else:
-                self._check(optimizer, state, unscale=False)["grad_scale"] = scale
-        user = getattr(optimizer, "grad_scale", None)
-        grad_scale, found_inf = _stepping.fused_inputs(state, user, scale.device)
-        self._it.stepped(optimizer, state, found_inf > 0)
-        shadowing, catch_up = self._calls.shadowing, (self._schedule, self._poll)
-        return _stepping.fused(
-            optimizer, grad_scale, found_inf, user, shadowing, catch_up, *args, **kwargs
-        )
-
-    def _grad_scaler_step(self, optimizer: Any, state: dict[str, Any], args: Any, kwargs: Any):
-        state["optimizer"] = weakref.ref(optimizer)
-        shadowing = self._calls.shadowing
-        retval, skipped = _stepping.with_grad_scaler(
-            optimizer, self, state, shadowing, args, kwargs
-        )
-        self._it.stepped(optimizer, state, skipped)
-        self._schedule.unread = True
         return retval
 
     # ----------------------------------------------------------------- update
@@ -425,13 +326,9 @@ class ShardedGradScaler(
             return  # no rank scaled since the scaler was made or loaded: checkpoint plumbing
         config, bounds = self._config, self._bounds
         if value is not None:
-            old = state.scale.clone()
-            state.scale.fill_(value)
-            if found_inf is not None:  # the iteration is still counted
-                count_(state.counters, found_inf, old, state.scale)
+            old = self._loss_scale.set_(value, found_inf)  # the iteration is still counted
             self._headroom.forget()
         else:
-            assert found_inf is not None
             if config.headroom:
                 collapsed, old = self._headroom.update_(state, found_inf, config)
             else:
@@ -445,10 +342,7 @@ class ShardedGradScaler(
         self._reporter.forget()  # a mid-iteration report may miss optimizers stepped later
         if torch.compiler.is_compiling():
             return
-        if value is not None:
-            bounds.set_exact(value)
-        else:
-            bounds.after_update(config, seen_clean)
+        bounds.after_update(config, seen_clean, value)
         if last is not None and self._report_overflows and bool(last.found_inf > 0):
             groups = _sync.resolve_groups(self.process_group)
             self._reporter.log(last, groups, self._calls.shadowing)  # once, all ranks' entries
@@ -499,35 +393,15 @@ class ShardedGradScaler(
             self._lazy_init_scale_growth_tracker(params[0].device if params else self._device)
         return self._it.record(optimizer)
 
-    def _fail(self, code: int, message: str) -> None:
-        """Raise the call-order error ``message``; on several ranks, first tell the others
-        through the all-reduce they wait in (:func:`_sync.poison`), so that they fail naming
-        this rank instead of timing out."""
-        groups = _sync.resolve_groups(self.process_group)
-        tensors = self._loss_scale.tensors
-        if groups and tensors is not None:
-            policy = _sync.policy_values(self._config)
-            step, check = tensors.counters[0], self._it.checks
-            _sync.poison(code, step, check, _sync.rank(), groups, tensors.scale, policy)
-        raise RuntimeError(message)
-
     def _poll(self) -> None:
         """Read the alarm (one host read): raise on a rank mismatch, raise or warn on a collapse
-        (every rank polls at the same update, so the report is gathered over the ranks)."""
+        (every rank polls at the same update: the report is gathered over the ranks)."""
         self._schedule.read()
-        tensors = self._loss_scale.tensors
-        collapse, now = self._alarm.read(_sync.rank(), tensors.scale)
+        collapse, now = self._alarm.read(_sync.rank(), self._loss_scale.tensors.scale)
         self._bounds.set_exact(now)
-        if collapse is None:
-            return
-        last = self._it.last
-        groups = _sync.resolve_groups(self.process_group)
-        optimizers = last.live_optimizers() if last else []
-        entries = self._reporter.scan(optimizers, groups, self._calls.shadowing)
-        error = collapse_error(self._config, *collapse, entries, _sync.rank())
-        if self._config.on_collapse == "raise":
-            raise error
-        warnings.warn(str(error), RuntimeWarning, stacklevel=3)
+        if collapse is not None:
+            groups, shadowing = _sync.resolve_groups(self.process_group), self._calls.shadowing
+            self._reporter.collapsed(collapse, self._config, self._it.last, groups, shadowing)
 
     # ------------------------------------------------------------- clipping
     def clip_grad_norm_(
@@ -585,64 +459,6 @@ class ShardedGradScaler(
         self._calls.note(
             "clip_grad_norm_", target, max_norm, norm_type, error_if_nonfinite, foreach
         )
-        return total
-
-    def _clip_grad_norm(self, target: Any, args: _clip.ClipArgs) -> torch.Tensor:
-        if self._it.carried:  # the first call after a new backward pass
-            self._it.settle()
-        is_opt = is_optimizer(target)
-        params = list(_grads.iter_params(target)) if is_opt else target
-        group = _clip.single_group(_sync.resolve_groups(self.process_group))
-        buckets = _clip.bucket(params, group, self.rank_local_params, self._names)
-        if self._calls.shadowing:
-            buckets = {}  # a joined rank: no gradients of this iteration
-        elif buckets:
-            self._it.saw_gradients()
-        if group is not None:
-            _join.check_order(self._join_config)
-        if not self._enabled:
-            return _clip.clip_unscaled(buckets, args.p, args.max_norm, group, **args.opts)
-        if not is_opt:
-            self._lazy_init_scale_growth_tracker(params[0].device if params else self._device)
-            return self._clip_params(buckets, params, group, args)
-        if any(id(q) in self._it.pre_unscaled for q in params):
-            raise _clip.refused("optimizer after params")
-        state = self._begin("clip_grad_norm_", target)
-        if state["stage"] is OptState.UNSCALED:  # after unscale_(): clip them as they are
-            return _clip.clip_unscaled(buckets, args.p, args.max_norm, group, **args.opts)
-        if state["stage"] is not OptState.READY:
-            self._it.failed(target)
-            raise _clip.refused("after step")
-        fused = step_kind(target) != "plain" and _clip.may_fold(target, args, self._bounds)
-        fused = fused and not _grads.unscaled_or_tied(target, ())  # tied: unscaled in place
-        try:
-            total, state["grad_scale"], found_inf, anyone = self._norm_and_clip(
-                buckets, params, group, fused, args
-            )
-        except BaseException:
-            self._it.failed(target)
-            raise
-        self._it.checked(target, state, found_inf, anyone, unscaled=True)
-        return total
-
-    def _norm_and_clip(self, buckets: Any, params: Any, group: Any, fused: bool, args: Any) -> Any:
-        it, scale = self._it, self._loss_scale.tensors.scale
-        inv, low = _grads.inv_scale(scale, self._loss_scale.math), self._bounds.below_one
-        idle = buckets and not (it.scaled_here or it.ever_scaled)  # refused before any write
-        if idle and group is None:  # on one process: no other rank scaled
-            it.scaled_elsewhere(None, params, "clip_grad_norm_")
-        out = _clip.norm_and_clip(
-            buckets, scale, inv, args.p, args.max_norm, group, fused, it.vote(), low, **args.opts
-        )
-        if idle and group is not None:  # the clip's all-reduce tells whether another rank did
-            it.scaled_elsewhere(out[3], params, "clip_grad_norm_", written=True)
-        return out
-
-    def _clip_params(self, buckets: Any, params: list[Any], group: Any, args: Any) -> Any:
-        if _clip.unscaled_already(self._it.stages_of(params), params):
-            return _clip.clip_unscaled(buckets, args.p, args.max_norm, group, **args.opts)
-        total, _, found_inf, _ = self._norm_and_clip(buckets, params, group, False, args)
-        self._it.clipped_params(params, found_inf)
         return total
 
     # ------------------------------------------------------------- reporting
@@ -719,12 +535,7 @@ class ShardedGradScaler(
         last = self._it.last
         if not self._enabled or last is None:
             return None
-        scale = float(last.scale)
-        # a fused kernel unscales the gradients in place, unless it skipped the step
-        pairs = [
-            (o, id(o) in last.still_scaled and bool(self._it.skipped_flag(o)))
-            for o in last.live_optimizers()
-        ]
+        scale, pairs = float(last.scale), self._it.left_scaled()
         groups = [] if self._calls.shadowing else _numerics.measure(pairs, scale, _sync.rank())
         if all_ranks:
             groups = _sync.gather_objects(groups, _sync.resolve_groups(self.process_group))
