@@ -3,6 +3,7 @@
     python benchmarks/policies.py                        # digits + text, 300 / 100 steps (~10 min on 2 cores)
     python benchmarks/policies.py --quick                # smoke test: digits, 12 steps (seconds)
     python benchmarks/policies.py --tasks digits --steps 300 --plot docs/img/policies.png
+    python benchmarks/policies.py --cost                 # the paired time per step (~2 min)
 
 The demo's models (``shardscale train``: the digits MLP, and the character transformer of
 ``--text``, here on CPython's ``LICENSE.txt``), one process, CPU fp16 autocast, AdamW fused and
@@ -135,6 +136,84 @@ def run(task: str, fused: bool, kind: str, init_e: int, steps: int, seed: int, d
     }  # fmt: skip
 
 
+def _stepper(task: str, fused: bool, kind: str, seed: int, ds: Any, measure_every: int = 1):
+    """One contender of :func:`cost`: a function running ``n`` training steps (the demo's
+    model from ``seed``, fixed LR, batches cycling from step 1) with a ``ShardedGradScaler``
+    of ``policy=kind`` from 2**16 (no overflow in these models), or torch's ``GradScaler``
+    (``kind="torch.amp"``)."""
+    cfg = _cfg(task, 10**6, seed)
+    torch.manual_seed(seed)
+    net = smodel.build(cfg, ds)
+    opt = torch.optim.AdamW(net.parameters(), lr=cfg.lr, fused=fused)
+    batches = sdata.Batches(ds, cfg, 0, 1)
+    if kind == "torch.amp":
+        scaler: Any = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    else:
+        scaler = ShardedGradScaler(
+            "cpu", init_scale=2.0**16, policy=kind, measure_every=measure_every
+        )
+    state = {"step": 0}
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            state["step"] += 1
+            x, y = batches.get(state["step"])
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = _loss(net(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+
+    return steps
+
+
+def cost(task: str, fused: bool, seed: int, ds: Any, rounds: int, per_round: int) -> dict:
+    """The time per training step of ``policy="headroom"`` (and ``measure_every=4``) against
+    ``policy="torch"`` of the same scaler and against ``torch.amp.GradScaler``: interleaved
+    rounds (each runs every contender ``per_round`` steps, the order rotated), medians of the
+    same-round ratios, so that the machine's drift hits both sides alike."""
+    kinds = ("torch", "headroom", "headroom/4", "torch.amp")
+    run_ = {
+        k: _stepper(task, fused, k.split("/")[0], seed, ds, int(k.split("/")[1]) if "/" in k else 1)
+        for k in kinds
+    }
+    for k in kinds:
+        run_[k](3)  # warm-up
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    for r in range(rounds):
+        order = kinds[r % len(kinds) :] + kinds[: r % len(kinds)]
+        for k in order:
+            t0 = time.perf_counter()
+            run_[k](per_round)
+            times[k].append((time.perf_counter() - t0) / per_round)
+
+    def ratio(a: str, b: str) -> float:
+        return sorted(x / y for x, y in zip(times[a], times[b], strict=True))[rounds // 2]
+
+    return {
+        "task": task, "opt": "fused" if fused else "adamw",
+        "step_ms": 1e3 * sorted(times["torch"])[rounds // 2],
+        "headroom": ratio("headroom", "torch"), "headroom/4": ratio("headroom/4", "torch"),
+        "torch.amp": ratio("torch", "torch.amp"),
+    }  # fmt: skip
+
+
+def cost_table(rows: list[dict]) -> str:
+    """The markdown table of :func:`cost`'s rows."""
+    lines = [
+        "| task | AdamW | step (policy torch) | headroom / torch | headroom, measure_every=4 "
+        "/ torch | shardscale (torch) / torch.amp.GradScaler |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['task']} | {r['opt']} | {r['step_ms']:.2f} ms | {r['headroom']:.3f} "
+            f"| {r['headroom/4']:.3f} | {r['torch.amp']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
 def table(rows: list[dict]) -> str:
     """The markdown table of ``rows`` (time as a ratio to torch gi2000 of the same row)."""
     base = {(r["task"], r["opt"], r["init_e"]): r["step_s"] for r in rows if r["scaler"] == SCALERS[0]}
@@ -188,10 +267,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plot", default=None, help="write the scale trajectories to this PNG")
     ap.add_argument("--quick", action="store_true", help="digits, 12 steps, inits 0,24, adamw")
+    ap.add_argument("--cost", action="store_true", help="only the paired time per step")
+    ap.add_argument("--rounds", type=int, default=21, help="--cost: interleaved rounds")
+    ap.add_argument("--per-round", type=int, default=10, help="--cost: steps per round")
     a = ap.parse_args(argv)
     if a.quick:
         a.tasks, a.opts, a.inits, a.steps = "digits", "adamw", "0,24", 12
+        a.rounds, a.per_round = 3, 2
     torch.set_num_threads(1)
+    if a.cost:
+        rows = []
+        for task in a.tasks.split(","):
+            ds = sdata.load(_cfg(task, a.steps, a.seed))
+            for opt in a.opts.split(","):
+                rows.append(cost(task, opt == "fused", a.seed, ds, a.rounds, a.per_round))
+        print(f"load average {os.getloadavg()[0]:.2f}", file=sys.stderr)
+        print(cost_table(rows))
+        return rows
     rows = []
     for task in a.tasks.split(","):
         if task == "text" and not os.path.exists(TEXT):

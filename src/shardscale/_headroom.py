@@ -61,14 +61,13 @@ class HeadroomState:
     """The rule's state, tensors on the scale's device.
 
     Attributes:
-        history: 1-d float32 of length ``headroom_history``: a ring of unscaled amaxes and
-            overflows' pseudo entries; 0.0 marks an empty slot.
-        index: 0-d int64, the slot the next entry is written to.
+        history: 1-d float32 of length ``headroom_history``: the last entries (unscaled amaxes
+            and overflows' pseudo entries), oldest first, the newest last; 0.0 marks an empty
+            slot (before the oldest entry).
         backoffs: 0-d int32, backoffs in a row (reset by a clean step).
     """
 
     history: torch.Tensor
-    index: torch.Tensor
     backoffs: torch.Tensor
 
     @classmethod
@@ -77,10 +76,9 @@ class HeadroomState:
     ) -> HeadroomState:
         """A state on ``device`` holding the last ``length`` of ``entries`` (oldest first)."""
         kept = list(entries)[-length:] if length else []
-        values = kept + [0.0] * (length - len(kept))
+        values = [0.0] * (length - len(kept)) + kept
         return cls(
             history=torch.tensor(values, dtype=torch.float32).to(device),
-            index=torch.full((), len(kept) % length, dtype=torch.int64, device=device),
             backoffs=torch.full((), backoffs, dtype=torch.int32, device=device),
         )
 
@@ -103,11 +101,8 @@ class HeadroomNumbers:
 
 def read(state: HeadroomState) -> HeadroomNumbers:
     """``state`` as numbers: one host read."""
-    values = torch.cat([state.history.double(), state.index.double().reshape(1),
-                        state.backoffs.double().reshape(1)]).tolist()  # fmt: skip
-    ring, index, backoffs = values[:-2], int(values[-2]), int(values[-1])
-    ordered = ring[index:] + ring[:index]  # oldest first
-    return HeadroomNumbers(tuple(v for v in ordered if v > 0.0), backoffs)
+    values = torch.cat([state.history.double(), state.backoffs.double().reshape(1)]).tolist()
+    return HeadroomNumbers(tuple(v for v in values[:-1] if v > 0.0), int(values[-1]))
 
 
 def step_(
@@ -119,7 +114,8 @@ def step_(
     world: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One update of ``policy="headroom"`` (module docstring), in place: ``state``'s scale,
-    trackers and counters and ``rule``'s history. Tensor ops only, no host read.
+    trackers and counters and ``rule``'s history. Tensor ops only, no host read: about 50
+    small ones (the margin's constants folded on the host; the history a shift register).
 
     The hysteresis is :func:`shardscale._policy.step_`'s: an overflow it absorbs keeps the
     scale (no entry pushed); the growth tracker counts clean steps since the scale last rose or
@@ -144,39 +140,42 @@ def step_(
     lo_e, hi_e = exponent_range(config)
     overflow = found_inf > 0
     old = scale.clone()
-    wide = old.to(dtype)
-    e = torch.floor(torch.log2(wide))
+    e = torch.frexp(old)[1] - 1  # floor(log2(scale)), exactly: 0-d int32
     simple = config.hysteresis == 1 and not config.consecutive_hysteresis
     if simple:
-        backoff_due = overflow
-        ht_after = ht
+        backoff_due, ht_after = overflow, ht
+        rule.backoffs.add_(1).mul_(overflow)
     else:
         ht_after = torch.where(overflow, (ht - 1).clamp_min(0), ht)
         backoff_due = overflow & (ht_after == 0)
-    zero = torch.zeros_like(rule.backoffs)
-    backoffs = torch.where(backoff_due, rule.backoffs + 1, torch.where(overflow, rule.backoffs, zero))
-    e_back = e - torch.exp2((backoffs - 1).clamp_min(0).to(dtype))
-    pseudo = torch.exp2(-(e + margin)) * (FP16_MAX * PSEUDO_SLACK)
-    u = amax.to(dtype) / wide
-    fresh = ~overflow & torch.isfinite(u) & (u > 0)
-    push = backoff_due | fresh
-    slot = rule.index.reshape(1)
-    entry = torch.where(push, torch.where(overflow, pseudo, u).float(), rule.history.gather(0, slot))
-    rule.history.scatter_(0, slot, entry.reshape(1))
-    rule.index.copy_((rule.index + push.long()) % rule.history.numel())
-    peak = rule.history.max().to(dtype)
+        rule.backoffs.copy_(torch.where(backoff_due, rule.backoffs + 1, rule.backoffs * overflow))
+    # the k-th backoff in a row goes 2**(k-1) bits down (used only when one is due: k >= 1)
+    e_back = e - torch.exp2(rule.backoffs - 1)
+    # an overflow's pseudo entry, FP16_MAX * PSEUDO_SLACK * 2**-(e + margin) (float32)
+    pseudo = torch.exp2(math.log2(FP16_MAX * PSEUDO_SLACK) - margin - e)
+    u = amax / old  # float32
+    if simple:
+        entry = torch.where(overflow, pseudo, u)
+    else:  # an absorbed overflow pushes nothing (0)
+        entry = torch.where(backoff_due, pseudo, torch.where(overflow, 0.0, u))
+    push = (entry > 0) & (entry < math.inf)  # not an unmeasured (-1), inf or NaN amax
+    history = rule.history
+    shifted = torch.cat([history[1:], entry.reshape(1)])
+    history.copy_(torch.where(push, shifted, history))
+    peak = history.max().to(dtype)
     known = peak > 0
-    target = torch.floor(torch.log2(FP16_MAX / torch.where(known, peak, 1.0)) - margin)
-    e_new = torch.where(overflow, e_back, target).clamp(lo_e, hi_e)
-    keep = (overflow & ~backoff_due) | (~overflow & ~known)  # absorbed, or nothing known yet
-    new = torch.where(keep, wide, torch.exp2(e_new)).float()
-    scale.copy_(new.clamp(config.lowest, config.max_scale))
+    target = torch.floor((math.log2(FP16_MAX) - margin) - torch.log2(peak))
+    e_new = torch.where(overflow, e_back, target).clamp_(lo_e, hi_e)
+    if simple:
+        keep = ~(overflow | known)  # nothing known yet
+    else:  # absorbed, or nothing known yet
+        keep = (overflow & ~backoff_due) | ~(overflow | known)
+    scale.copy_(torch.where(keep, old, torch.exp2(e_new)).clamp_(config.lowest, config.max_scale))
     grew = scale > old
-    gt.copy_(torch.where(overflow | grew, 0, (gt + 1).clamp_max(config.growth_interval - 1)))
+    gt.add_(1).clamp_max_(config.growth_interval - 1).masked_fill_(overflow | grew, 0)
     if not simple:
         refill = (grew | ~overflow) if config.consecutive_hysteresis else grew
         ht.copy_(torch.where(refill, config.hysteresis, ht_after))
-    rule.backoffs.copy_(backoffs)
     count_(state.counters, found_inf, old, scale)
     collapsed = backoff_due & (old <= config.lowest)
     if config.max_consecutive_skips is not None:
