@@ -77,3 +77,11 @@ def test_numerics_local_by_default_every_rank_when_asked(tmp_path):
     assert [r for r, _, _ in local0] == [0, 0] and [r for r, _, _ in local1] == [1, 1]
     assert every0 == every1 == local0 + local1
     assert every0[0][2] == pytest.approx(2.0) and every0[2][2] == pytest.approx(4.0)
+
+
+def test_none_once_the_next_iteration_scaled():
+    """After the next scale(), the gradients are no longer the last step's: None."""
+    scaler = _step("sgd")
+    assert scaler.numerics() is not None
+    scaler.scale(torch.ones((), requires_grad=True))
+    assert scaler.numerics() is None

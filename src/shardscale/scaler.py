@@ -708,7 +708,7 @@ class ShardedGradScaler(
         in bits to fp16's overflow, the fraction of elements that underflow in fp16, the
         unscaled norm and amax (:class:`~shardscale.Numerics`; headline figures in its
         ``as_dict()``). Call it after ``update()`` and before ``zero_grad()``; None before the
-        first ``update()`` or when disabled.
+        first ``update()``, after the next ``scale()`` or when disabled.
 
         Measured on the gradients as they are (one pass and one host read per group; nothing
         in the training step). ``all_ranks=False``: this rank's local gradients (shards), no
@@ -717,7 +717,7 @@ class ShardedGradScaler(
         if not isinstance(all_ranks, bool):
             raise TypeError(f"all_ranks must be a bool, got {all_ranks!r}.")
         last = self._it.last
-        if not self._enabled or last is None:
+        if not self._enabled or last is None or self._it.scaled_here:
             return None
         scale = float(last.scale)
         # a fused kernel unscales the gradients in place, unless it skipped the step
