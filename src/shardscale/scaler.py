@@ -707,8 +707,9 @@ class ShardedGradScaler(
         """The gradient numerics of the last stepped iteration, per parameter group: headroom
         in bits to fp16's overflow, the fraction of elements that underflow in fp16, the
         unscaled norm and amax (:class:`~shardscale.Numerics`; headline figures in its
-        ``as_dict()``). Call it after ``update()`` and before ``zero_grad()``; None before the
-        first ``update()``, after the next ``scale()`` or when disabled.
+        ``as_dict()``; per FSDP unit where a group spans several). Call it after ``update()``
+        and before ``zero_grad()``; None before the first ``update()``, after the next
+        ``scale()`` or when disabled.
 
         Measured on the gradients as they are (one pass and one host read per group; nothing
         in the training step). ``all_ranks=False``: this rank's local gradients (shards), no
@@ -725,7 +726,8 @@ class ShardedGradScaler(
             (o, id(o) in last.still_scaled and bool(self._it.skipped_flag(o)))
             for o in last.live_optimizers()
         ]
-        groups = [] if self._calls.shadowing else _numerics.measure(pairs, scale, _sync.rank())
+        rank, names = _sync.rank(), self._names
+        groups = [] if self._calls.shadowing else _numerics.measure(pairs, scale, rank, names)
         if all_ranks:
             groups = _sync.gather_objects(groups, _sync.resolve_groups(self.process_group))
         return Numerics(last.index, scale, tuple(sorted(groups, key=lambda g: (g.rank, g.name))))
