@@ -35,8 +35,8 @@ class GroupNumerics:
         name: ``"optimizer i, group j"``; ``"optimizer i, group j, unit <path>"`` when the
             group's parameters belong to several FSDP units and the scaler names parameters
             from the model (``param_names=model``): one entry per unit, ``<path>`` the unit's
-            module path (``(root)``: the root module's own parameters; ``(none)``: those of no
-            unit).
+            module path (a parameter belongs to its innermost unit; ``(root)``: the root module
+            is the unit; ``(none)``: parameters of no unit).
         rank: the global rank measured.
         headroom_bits: ``log2(65504 / (amax * scale))``: how many doublings of the scale the
             largest scaled gradient had left before fp16 overflows (inf when every gradient is
@@ -144,9 +144,9 @@ def _split(
 ) -> list[tuple[str, list[torch.Tensor]]]:
     """``pairs`` (``(parameter, local gradient)`` of a group's ``params``) by FSDP unit, in
     order of first appearance: ``[("", all)]`` when ``params`` are in one unit (or none), else
-    ``[(", unit <path>", ...)]`` (``(root)`` for the root module's own, ``(none)`` for those
-    of no unit). Decided from ``params``, not ``pairs``: every rank names the same way, one
-    holding no shard of a unit leaves it out."""
+    ``[(", unit <path>", ...)]`` (``(root)``: the root module's unit, ``(none)``: no unit).
+    Decided from ``params``, not ``pairs``: every rank names the same way, one holding no
+    shard of a unit leaves it out."""
     if len({units.get(id(q)) for q in params}) <= 1:
         return [("", [v for _, v in pairs])]
     by_unit: dict[str | None, list[torch.Tensor]] = {}
