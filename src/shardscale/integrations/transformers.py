@@ -59,8 +59,9 @@ class ShardscaleCallback(transformers.TrainerCallback):
                           train_dataset=ds, callbacks=[ShardscaleCallback()])
 
     Every log gains ``loss_scale`` and ``skipped_steps`` (``scaler.metrics()``: one host read
-    per log). With ``log_numerics``, the log of a training step also gains the headline figures
-    of :meth:`ShardedGradScaler.numerics`: ``headroom_bits`` (bits to fp16's overflow left by
+    per log). With ``log_numerics`` (by default: when the scaler's ``policy`` is
+    ``"headroom"``), the log of a training step also gains the headline figures of
+    :meth:`ShardedGradScaler.numerics`: ``headroom_bits`` (bits to fp16's overflow left by
     the largest scaled gradient; negative or -inf on an overflow) and ``underflow`` (the
     fraction of gradient elements zero or subnormal in fp16, in [0, 1]). The Trainer zeroes the
     gradients right after the optimizer step, before ``on_step_end`` and ``on_log``, so they are
@@ -71,8 +72,8 @@ class ShardscaleCallback(transformers.TrainerCallback):
     first with ``logging_first_step``); with ``logging_strategy="epoch"``, whose last step is
     not known beforehand, on every step. Each measurement costs one pass over the gradients and
     one host read per parameter group, no collective: this rank's gradients (its shards under
-    FSDP; the Trainer logs rank 0's). A log another callback asks for on another step gets no
-    figures.
+    FSDP; the ``report_to`` integrations record rank 0's). A log another callback asks for on
+    another step gets no figures.
 
     Args:
         log_numerics: add ``headroom_bits`` and ``underflow`` to the logs; None (default): when
