@@ -30,7 +30,7 @@ import torch
 pytest.importorskip("accelerate")
 
 from shardscale import ShardedGradScaler  # noqa: E402
-from shardscale.integrations.accelerate import use_shardscale  # noqa: E402
+from shardscale.integrations.accelerate import scaler_logs, use_shardscale  # noqa: E402
 
 INIT_SCALE = 1024.0
 GROWTH_INTERVAL = 3
@@ -164,12 +164,10 @@ def _train(
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
         optimizer.step()
+        accelerator.log(scaler_logs(accelerator), step=step)  # before zero_grad()
         scheduler.step()
         optimizer.zero_grad()
         metrics = scaler.metrics()
-        accelerator.log(
-            {"loss_scale": metrics["scale"], "skipped_steps": metrics["skipped_steps"]}, step=step
-        )
         records.append(
             {
                 "step": step,
@@ -453,6 +451,66 @@ def test_scaler_state_carries_over(fresh_accelerate):
     assert (m["scale"], m["growth_tracker"], scaler.get_growth_interval()) == (512.0, 7, 100)
     again = use_shardscale(accelerator, init_scale=8.0)  # replaces it (fp16 is on: no warning)
     assert accelerator.scaler is again and again.metrics()["scale"] == 8.0
+
+
+def test_scaler_logs_with_gradient_accumulation(fresh_accelerate):
+    """scaler_logs(accelerator) after optimizer.step(), to accelerator.log: loss_scale and
+    skipped_steps on every call; with policy="headroom", on the steps taken, headroom_bits and
+    underflow as computed by hand from the step's gradients (-inf headroom on the overflow),
+    none on accumulation micro-steps."""
+    from accelerate import Accelerator
+
+    tracker = _tracker()
+    accelerator = Accelerator(
+        cpu=True, mixed_precision="fp16", gradient_accumulation_steps=2, log_with=[tracker]
+    )
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    tiny = torch.nn.Parameter(torch.ones(4))  # gradient 1e-12: underflows in fp16
+    optimizer = torch.optim.AdamW([*model.parameters(), tiny], lr=0.05)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    with pytest.warns(UserWarning, match="fp16"):
+        scaler = use_shardscale(accelerator, policy="headroom", init_scale=INIT_SCALE)
+    accelerator.init_trackers("shardscale")
+    params = [*model.parameters(), tiny]
+    seen = []
+    for micro in range(8):  # 4 optimizer steps
+        x, y = _batch(micro, 0)
+        with accelerator.accumulate(model):
+            loss = torch.nn.functional.mse_loss(model(x), y) + 1e-12 * tiny.sum()
+            accelerator.backward(loss)
+            if micro == 3:
+                _poison(model)
+            used = scaler.get_scale()
+            optimizer.step()
+            logs = scaler_logs(accelerator)
+            accelerator.log(logs, step=micro)
+            if accelerator.sync_gradients:
+                g = torch.cat([p.grad.reshape(-1) for p in params]).double().abs()
+                top = float(g.max()) * used
+                hand = (math.log2(65504 / top) if math.isfinite(top) else -top,
+                        float((g * used < 2**-14).double().mean()))  # fmt: skip
+                seen.append((micro, logs, hand, scaler.get_scale()))
+            else:
+                assert set(logs) == {"loss_scale", "skipped_steps"}, micro
+            optimizer.zero_grad()
+    assert [m for m, *_ in seen] == [1, 3, 5, 7]
+    for micro, logs, (headroom, under), scale in seen:
+        assert logs["loss_scale"] == scale and logs["skipped_steps"] == int(micro >= 3)
+        if micro == 3:
+            assert logs["headroom_bits"] == headroom == -math.inf
+        else:
+            assert (logs["headroom_bits"], logs["underflow"]) == pytest.approx((headroom, under))
+            assert 0 < headroom < 16 and under >= 4 / 62  # tiny's 4 of the 62 elements
+    assert [e["step"] for e in tracker.logged] == list(range(8))
+    assert tracker.logged[5] == {"step": 5, **seen[2][1]}
+    # after zero_grad() (set to None), or asked not to: loss_scale and skipped_steps only
+    assert set(scaler_logs(scaler)) == {"loss_scale", "skipped_steps"}
+    assert set(scaler_logs(scaler, numerics=False)) == {"loss_scale", "skipped_steps"}
+    with pytest.raises(TypeError, match="numerics must be a bool or None"):
+        scaler_logs(scaler, numerics=1)
+    with pytest.raises(TypeError, match="set up by use_shardscale"):
+        scaler_logs(Accelerator(cpu=True))
 
 
 def test_refused_setups():

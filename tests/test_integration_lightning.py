@@ -130,6 +130,7 @@ class Record(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.start_state = trainer.precision_plugin.scaler.state_dict()
+        self._seen = trainer.global_step
         opt = trainer.optimizers[0]
 
         def pre_step(optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -143,6 +144,9 @@ class Record(L.Callback):
         self._hook.remove()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, *args: Any) -> None:
+        if trainer.global_step == self._seen:
+            return  # accumulating: no step in this batch
+        self._seen = trainer.global_step
         scaler = trainer.precision_plugin.scaler
         sch = trainer.lr_scheduler_configs[0].scheduler
         params = [_local(p).detach().float().flatten() for p in pl_module.parameters()]
@@ -198,6 +202,8 @@ def _fit(
     strategy: Any = "auto",
     devices: int = 1,
     plugin: Any = None,
+    monitor: LossScaleMonitor | None = None,
+    callbacks: tuple[L.Callback, ...] = (),
     **trainer_kw: Any,
 ) -> tuple[L.Trainer, Record]:
     record = Record()
@@ -207,7 +213,7 @@ def _fit(
         strategy=strategy,
         max_steps=steps,
         plugins=[plugin or ShardscalePrecision("16-mixed", **SCALER_KW)],
-        callbacks=[LossScaleMonitor(), record],
+        callbacks=[monitor or LossScaleMonitor(), record, *callbacks],
         logger=logger,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -332,19 +338,25 @@ def test_log_every_n_steps(tmp_path: Path) -> None:
 
 
 class ManualNet(Net):
-    """Manual optimization: manual_backward, clip_gradients, opt.step(), sch.step() by hand."""
+    """Manual optimization: manual_backward, clip_gradients, opt.step(), sch.step() by hand;
+    ``opt.zero_grad()`` after the step, or before the backward with ``zero_first``."""
 
-    def __init__(self) -> None:
+    def __init__(self, zero_first: bool = False, clip: bool = True) -> None:
         super().__init__()
         self.automatic_optimization = False
+        self.zero_first, self.clip = zero_first, clip
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
         opt, sch = self.optimizers(), self.lr_schedulers()
         x, y = batch
+        if self.zero_first:
+            opt.zero_grad()
         self.manual_backward(F.mse_loss(self.net(x).float(), y))  # runs on_after_backward
-        self.clip_gradients(opt, gradient_clip_val=CLIP, gradient_clip_algorithm="norm")
+        if self.clip:
+            self.clip_gradients(opt, gradient_clip_val=CLIP, gradient_clip_algorithm="norm")
         opt.step()
-        opt.zero_grad()
+        if not self.zero_first:
+            opt.zero_grad()
         scaler = self.trainer.precision_plugin.scaler
         if not scaler.last_step_skipped(opt.optimizer):
             sch.step()
@@ -358,6 +370,103 @@ def test_trainer_manual_optimization(tmp_path: Path) -> None:
     _check_run(record.rows)
     assert [math.sqrt(a) for a in record.applied] == pytest.approx([CLIP] * (STEPS - 1), rel=1e-4)
     _check_logged({k: logger.series(k) for k in ("loss_scale", "skipped_steps", "overflows")})
+
+
+class GradFigures(L.Callback):
+    """On each batch that stepped, where LossScaleMonitor logs: the headline figures computed by
+    hand from the gradients (unscaled in place by the step; the scale the step used is the one
+    before its update), by the logger's step."""
+
+    def __init__(self) -> None:
+        self.by_step: dict[int, tuple[float, float]] = {}
+        self._seen, self._scale = 0, INIT
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, *args: Any) -> None:
+        if trainer.global_step == self._seen:
+            return  # accumulating
+        self._seen = trainer.global_step
+        scaler = trainer.precision_plugin.scaler
+        used, self._scale = self._scale, scaler.get_scale()
+        grads = [_local(p.grad).reshape(-1) for p in pl_module.parameters() if p.grad is not None]
+        if not grads:
+            return
+        g = torch.cat(grads).double().abs()
+        top = float(g.max()) * used
+        headroom = -top if not math.isfinite(top) else math.log2(65504 / top)
+        under = float((g * used < 2.0**-14).double().mean())
+        self.by_step[trainer.fit_loop.epoch_loop._batches_that_stepped] = (headroom, under)
+
+
+def _logged_figures(logger: MemoryLogger, prefix: str = "") -> dict[Any, tuple[float, float]]:
+    headroom, under = logger.series(prefix + "headroom_bits"), logger.series(prefix + "underflow")
+    assert headroom.keys() == under.keys()
+    return {k: (headroom[k], under[k]) for k in headroom}
+
+
+class TinyGradNet(Net):
+    """Net and a parameter whose gradient (1e-12) underflows in fp16 at any scale below 2**26."""
+
+    def __init__(self, fused: bool = False) -> None:
+        super().__init__(fused)
+        self.tiny = nn.Parameter(torch.ones(4))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return super().training_step(batch, batch_idx) + 1e-12 * self.tiny.sum()
+
+
+TORCH_RULE = {"growth_interval": 100}
+#: name: (plugin kwargs, monitor kwargs, Trainer kwargs, fused)
+NUMERICS_RUNS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any], bool]] = {
+    "headroom_policy": ({"policy": "headroom"}, {}, {}, False),
+    "asked": (TORCH_RULE, {"log_numerics": True, "prefix": "s/"}, {}, False),
+    "fused_accumulating": (TORCH_RULE, {"log_numerics": True}, {"accumulate_grad_batches": 2}, True),
+    "headroom_policy_off": ({"policy": "headroom"}, {"log_numerics": False}, {}, False),
+    "default_off": (TORCH_RULE, {}, {}, False),
+}
+
+
+@pytest.mark.parametrize("name", NUMERICS_RUNS)
+def test_monitor_logs_headroom_and_underflow(name: str) -> None:
+    """headroom_bits and underflow go to the loggers on the logged steps, as computed by hand
+    from the step's gradients (accumulated ones too); -inf on the overflow step. By default
+    only with policy="headroom"."""
+    plugin_kw, monitor_kw, trainer_kw, fused = NUMERICS_RUNS[name]
+    logger, figures = MemoryLogger(), GradFigures()
+    plugin = ShardscalePrecision("16-mixed", init_scale=INIT, **plugin_kw)
+    monitor = LossScaleMonitor(**monitor_kw)
+    module = TinyGradNet(fused)
+    _fit(module, STEPS, logger, plugin=plugin, monitor=monitor, callbacks=(figures,), **trainer_kw)
+    logged = _logged_figures(logger, monitor.prefix)
+    if name.endswith("_off"):
+        assert logged == {} and len(logger.series(monitor.prefix + "loss_scale")) == STEPS
+        return
+    assert len(logged) == len(figures.by_step) == STEPS
+    for step, (headroom, under) in figures.by_step.items():
+        if step == INF_STEP:  # the overflow (a skipped fused step leaves them scaled)
+            assert logged[step][0] == headroom == -math.inf
+        else:
+            assert logged[step] == pytest.approx((headroom, under), rel=1e-9)
+            assert 0 < headroom < 16
+    for step, (_, under) in logged.items():  # tiny's 4 of the 165 elements (inf at step 2)
+        assert under == pytest.approx((3 if step == INF_STEP else 4) / 165)
+
+
+@pytest.mark.parametrize("zero_first", [True, False])
+def test_monitor_numerics_in_manual_optimization(zero_first: bool) -> None:
+    """Manual optimization: the figures of the gradients training_step leaves; none when it
+    set them to None after the step."""
+    logger, figures = MemoryLogger(), GradFigures()
+    monitor = LossScaleMonitor(log_numerics=True)
+    module = ManualNet(zero_first=zero_first, clip=False)
+    _fit(module, STEPS, logger, monitor=monitor, callbacks=(figures,))
+    logged = _logged_figures(logger)
+    if not zero_first:
+        assert logged == {} and figures.by_step == {}
+        return
+    assert len(logged) == STEPS
+    for step, (headroom, under) in figures.by_step.items():
+        if step != INF_STEP:
+            assert logged[step] == pytest.approx((headroom, under), rel=1e-9)
 
 
 def test_monitor_without_a_shardscale_scaler(tmp_path: Path) -> None:
@@ -655,6 +764,8 @@ def test_arguments() -> None:
         ShardscalePrecision(scaler=torch.amp.GradScaler("cpu"))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="growth_factor"):
         ShardscalePrecision(growth_factor=0.5)
+    with pytest.raises(TypeError, match="log_numerics must be a bool or None"):
+        LossScaleMonitor(log_numerics=1)  # type: ignore[arg-type]
 
 
 def test_accepted_by_every_strategy() -> None:

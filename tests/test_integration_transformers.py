@@ -43,7 +43,9 @@ def _data(n: int = 64) -> list[dict[str, Any]]:
     return [{"x": x[i], "labels": int(x[i].sum() > 0)} for i in range(n)]
 
 
-def _model() -> Any:
+def _model(tiny: bool = False) -> Any:
+    """An MLP (354 parameters); ``tiny``: and 4 more whose gradient (1e-12) underflows in fp16
+    at any scale below 2**26."""
     import torch
     from torch import nn
 
@@ -51,6 +53,7 @@ def _model() -> Any:
         def __init__(self) -> None:
             super().__init__()
             self.inp, self.out = nn.Linear(8, 32), nn.Linear(32, 2)
+            self.tiny = nn.Parameter(torch.ones(4)) if tiny else None
             self.seen_dtype = ""
 
         def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -58,6 +61,8 @@ def _model() -> Any:
             self.seen_dtype = str(h.dtype)  # autocast's compute dtype
             logits = self.out(torch.relu(h))
             loss = nn.functional.cross_entropy(logits.float(), labels)
+            if self.tiny is not None:
+                loss = loss + 1e-12 * self.tiny.sum()
             return {"loss": loss, "logits": logits}
 
     torch.manual_seed(0)
@@ -132,6 +137,7 @@ def _run(
             for e in trainer.state.log_history
             if "loss" in e
         ],
+        "numerics_logged": any("headroom_bits" in e for e in trainer.state.log_history),
         "final": callback.scaler.state_dict(),
         "metrics": callback.scaler.metrics(),
         "scheduler_steps": trainer.lr_scheduler.last_epoch,
@@ -148,6 +154,55 @@ def _run(
     if resume is not None:
         result["scaler_pt"] = torch.load(Path(resume) / "scaler.pt", weights_only=True)
     return result
+
+
+def _numerics_run(out: Path, name: str, **kw: Any) -> dict[str, Any]:
+    """A run logging headroom_bits and underflow: the logged figures, those computed by hand
+    from the gradients after each optimizer step (by the global step), and the steps measured."""
+    import math
+
+    import torch
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from shardscale.integrations.transformers import ShardscaleCallback
+
+    callback_kw, n = kw.pop("callback"), kw.pop("n", 64)
+    args = TrainingArguments(
+        str(out / name), fp16=True, max_steps=8, per_device_train_batch_size=4, report_to="none",
+        disable_tqdm=True, use_cpu=True, save_strategy="no", seed=0, **kw,
+    )  # fmt: skip
+    callback = ShardscaleCallback(init_scale=INIT_SCALE, **callback_kw)
+    hand: dict[int, list[float]] = {}
+    measured: list[int] = []
+
+    class Probe(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            self.scale = callback.scaler.get_scale()  # the scale of this step's gradients
+
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            g = torch.cat([p.grad.reshape(-1) for p in trainer.model.parameters()]).double().abs()
+            top = float(g.max()) * self.scale
+            headroom = math.log2(65504 / top) if math.isfinite(top) else -top
+            hand[state.global_step + 1] = [headroom, float((g * self.scale < 2**-14).double().mean())]
+
+    trainer = Trainer(
+        model=_model(tiny=True), args=args, train_dataset=_data(n), callbacks=[callback, Probe()]
+    )
+    numerics = callback.scaler.numerics
+
+    def counted() -> Any:
+        measured.append(trainer.state.global_step + 1)
+        return numerics()
+
+    callback.scaler.numerics = counted
+    trainer.train()
+    logged = {
+        e["step"]: [e["headroom_bits"], e["underflow"]]
+        for e in trainer.state.log_history
+        if "loss" in e and "headroom_bits" in e
+    }
+    logs = [e["step"] for e in trainer.state.log_history if "loss" in e]
+    return {"logged": logged, "hand": hand, "measured": measured, "logs": logs}
 
 
 def _errors(out: Path) -> dict[str, str]:
@@ -188,6 +243,13 @@ def _worker(out: Path) -> None:
     if world == 1:
         runs["bf16"] = _run(out, "bf16", "adamw_torch_fused", precision="bf16")
         runs["errors"] = _errors(out)
+        runs["numerics_steps"] = _numerics_run(
+            out, "numerics_steps", callback={"policy": "headroom"}, optim="adamw_torch_fused",
+            logging_steps=3, logging_first_step=True,
+        )  # fmt: skip
+        runs["numerics_epoch"] = _numerics_run(
+            out, "numerics_epoch", callback={"log_numerics": True}, logging_strategy="epoch", n=16
+        )
     (out / f"rank{rank}.json").write_text(json.dumps(runs))
     # Leave without the interpreter's teardown: CPU DDP processes of the Trainer sometimes abort
     # there ("terminate called without an active exception", with or without shardscale).
@@ -310,6 +372,25 @@ def test_ddp_every_rank_skips_the_one_rank_overflow(ddp: list[dict[str, Any]], n
     assert runs[0]["history"] == runs[1]["history"]
     assert runs[0]["final"] == runs[1]["final"]
     assert runs[0]["params_sha"] == runs[1]["params_sha"]  # replicas identical
+
+
+@pytest.mark.parametrize(
+    "name, logs, measured",
+    [("numerics_steps", [1, 3, 6], [1, 3, 6]), ("numerics_epoch", [4, 8], list(range(1, 9)))],
+)
+def test_logs_carry_headroom_and_underflow(
+    single: dict[str, Any], name: str, logs: list[int], measured: list[int]
+) -> None:
+    """policy="headroom" (or log_numerics=True): the logs of training steps carry the figures
+    of the step's gradients, computed by hand after the optimizer step; measured only on the
+    steps that log (every step with logging_strategy="epoch")."""
+    run = single[name]
+    assert run["logs"] == logs and run["measured"] == measured
+    assert sorted(int(k) for k in run["logged"]) == logs
+    for step, figures in run["logged"].items():
+        assert figures == pytest.approx(run["hand"][step], rel=1e-9)
+        assert 0 < figures[0] < 16 and figures[1] >= 4 / 358  # tiny's 4, and zeros
+    assert not single["unfused"]["numerics_logged"]  # the torch policy, log_numerics None
 
 
 def test_misuse_is_refused(single: dict[str, Any]) -> None:

@@ -116,6 +116,10 @@ class ParamNames:
     kind to the parameters is held: torch refuses to swap tensors that have weak references.
     From a ``{name: parameter}`` map: ids, valid while those parameters live. Pickling drops
     the names; :meth:`remapped` follows a ``copy.deepcopy``.
+
+    Attributes:
+        root: a weak reference to the module named from (None for a map): its module tree
+            (FSDP units, for :func:`shardscale._numerics.measure`) as of when it is asked.
     """
 
     def __init__(
@@ -126,7 +130,9 @@ class ParamNames:
         self._by_id: dict[int, str] = {id(p): name for name, p in pairs}
         #: (weak ref to the owning submodule, attribute name, full name, id of the parameter)
         self._owners: list[tuple[weakref.ref, str, str, int]] = []
+        self.root: weakref.ref[torch.nn.Module] | None = None
         if module is not None:
+            self.root = weakref.ref(module)
             for prefix, sub in module.named_modules(remove_duplicate=False):
                 for attr, param in sub._parameters.items():
                     if param is not None:
@@ -155,6 +161,10 @@ class ParamNames:
         """For a ``copy.deepcopy``: what was copied before the scaler in the same call (in
         ``memo``) is named in its copy; the rest keeps its names (the copy shares it)."""
         new = ParamNames()
+        root = self.root() if self.root is not None else None
+        if root is not None:
+            copied = memo.get(id(root))
+            new.root = weakref.ref(copied if isinstance(copied, torch.nn.Module) else root)
         for ref, attr, full, pid in self._owners:
             sub = ref()
             if sub is not None:

@@ -523,8 +523,9 @@ class ShardedGradScaler(
         """The gradient numerics of the last stepped iteration, per parameter group: headroom
         in bits to fp16's overflow, the fraction of elements that underflow in fp16, the
         unscaled norm and amax (:class:`~shardscale.Numerics`; headline figures in its
-        ``as_dict()``). Call it after ``update()`` and before ``zero_grad()``; None before the
-        first ``update()`` or when disabled.
+        ``as_dict()``; per FSDP unit where a group spans several). Call it after ``update()``
+        and before ``zero_grad()``; None before the first ``update()``, after the next
+        ``scale()`` or when disabled.
 
         Measured on the gradients as they are (one pass and one host read per group; nothing
         in the training step). ``all_ranks=False``: this rank's local gradients (shards), no
@@ -533,10 +534,10 @@ class ShardedGradScaler(
         if not isinstance(all_ranks, bool):
             raise TypeError(f"all_ranks must be a bool, got {all_ranks!r}.")
         last = self._it.last
-        if not self._enabled or last is None:
+        if not self._enabled or last is None or self._it.scaled_here:
             return None
-        scale, pairs = float(last.scale), self._it.left_scaled()
-        groups = [] if self._calls.shadowing else _numerics.measure(pairs, scale, _sync.rank())
+        scale, pairs, rank = float(last.scale), self._it.left_scaled(), _sync.rank()
+        groups = [] if self._calls.shadowing else _numerics.measure(pairs, scale, rank, self._names)
         if all_ranks:
             groups = _sync.gather_objects(groups, _sync.resolve_groups(self.process_group))
         return Numerics(last.index, scale, tuple(sorted(groups, key=lambda g: (g.rank, g.name))))

@@ -2,7 +2,8 @@
 
 * :mod:`shardscale.integrations.lightning`: ``ShardscalePrecision``, ``LossScaleMonitor``
   (``pip install shardscale[lightning]``);
-* :mod:`shardscale.integrations.accelerate`: ``use_shardscale`` (``shardscale[accelerate]``);
+* :mod:`shardscale.integrations.accelerate`: ``use_shardscale``, ``scaler_logs``
+  (``shardscale[accelerate]``);
 * :mod:`shardscale.integrations.transformers`: ``ShardscaleCallback``
   (``shardscale[transformers]``);
 * :mod:`shardscale.integrations.torchtitan`: ``to_fp16`` and

@@ -3,8 +3,11 @@
 
 ``use_shardscale(accelerator)`` before or after ``accelerator.prepare(...)``; the training loop
 stays accelerate's (``accelerator.backward``, ``optimizer.step()``, ``scheduler.step()``,
-``accelerator.clip_grad_norm_``, ``save_state``/``load_state``). accelerate itself is imported
-only when :func:`use_shardscale` is called (``pip install shardscale[accelerate]``).
+``accelerator.clip_grad_norm_``, ``save_state``/``load_state``). ``accelerator.log(
+scaler_logs(accelerator), step=step)`` between ``optimizer.step()`` and ``optimizer.zero_grad()``
+logs the loss scale, the skipped steps and, with ``policy="headroom"``, the headroom and
+underflow of the step's gradients. accelerate itself is imported only when
+:func:`use_shardscale` is called (``pip install shardscale[accelerate]``).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch
 
 from .. import ShardedGradScaler
 
-__all__ = ["use_shardscale"]
+__all__ = ["use_shardscale", "scaler_logs"]
 
 #: accelerate's set-ups with a loss scaling of their own (or none to replace).
 _REFUSED = ("DEEPSPEED", "MEGATRON_LM", "XLA")
@@ -58,8 +61,8 @@ def use_shardscale(accelerator: Any, **scaler_kwargs: Any) -> ShardedGradScaler:
             ``growth_interval``, ``max_consecutive_skips``, ``process_group``, ...).
 
     Returns:
-        The installed scaler (``accelerator.scaler``): log ``scaler.metrics()`` with
-        ``accelerator.log``.
+        The installed scaler (``accelerator.scaler``): log :func:`scaler_logs` (or
+        ``scaler.metrics()``) with ``accelerator.log``.
 
     Raises:
         ValueError: DeepSpeed, Megatron-LM, XLA or fp8, which scale (or not) on their own.
@@ -94,6 +97,62 @@ def use_shardscale(accelerator: Any, **scaler_kwargs: Any) -> ShardedGradScaler:
         _adopt(optimizer, scaler)
     _hook_prepare_optimizer(accelerator)
     return scaler
+
+
+def scaler_logs(source: Any, numerics: bool | None = None) -> dict[str, float]:
+    """The scaler's headline figures, for ``accelerator.log``::
+
+        optimizer.step()  # the scaler's step and update
+        accelerator.log(scaler_logs(accelerator), step=step)
+        optimizer.zero_grad()
+
+    Keys: ``loss_scale`` (the scale now) and ``skipped_steps`` (steps skipped since the scaler
+    was made or loaded; :meth:`ShardedGradScaler.metrics`); with ``numerics``, the last step's
+    ``headroom_bits`` (bits to fp16's overflow left by the largest scaled gradient; negative
+    or -inf on an overflow) and ``underflow`` (the fraction of gradient elements zero or
+    subnormal in fp16, in [0, 1]) from :meth:`ShardedGradScaler.numerics`. Those two are
+    measured from the gradients: call it after ``optimizer.step()`` and before
+    ``optimizer.zero_grad()``, and after any clip (``accelerator.clip_grad_norm_``) they are
+    the clipped gradients' (a clip by ``c`` adds ``log2(1/c)`` to the headroom, and counts more
+    elements as underflowing). They are left out where there is nothing to measure: on a
+    micro-step of gradient accumulation (no step was taken, ``backward`` scaled new gradients),
+    with the gradients set to None by ``zero_grad()`` (zeroed in place, they would read inf and
+    1.0), before the first step, with a disabled scaler.
+
+    Cost: one host read (``metrics()``); with ``numerics``, one pass over the gradients and one
+    host read per parameter group. No collective: the gradients are this rank's (its shards
+    under FSDP; ``accelerator.log`` records the main process's).
+
+    Args:
+        source: an ``Accelerator`` set up by :func:`use_shardscale`, or a
+            :class:`~shardscale.ShardedGradScaler`.
+        numerics: include ``headroom_bits`` and ``underflow``; None (default): when the
+            scaler's ``policy`` is ``"headroom"``.
+
+    Raises:
+        TypeError: ``source`` is neither a ``ShardedGradScaler`` nor an object whose
+            ``scaler`` is one (:func:`use_shardscale` not called); ``numerics`` not a bool or
+            None.
+    """
+    scaler = source if isinstance(source, ShardedGradScaler) else getattr(source, "scaler", None)
+    if not isinstance(scaler, ShardedGradScaler):
+        raise TypeError(
+            "scaler_logs() needs a ShardedGradScaler or an Accelerator set up by "
+            f"use_shardscale(accelerator), got {type(source).__name__} (scaler: "
+            f"{type(scaler).__name__})."
+        )
+    if numerics is not None and not isinstance(numerics, bool):
+        raise TypeError(f"numerics must be a bool or None, got {numerics!r}.")
+    metrics = scaler.metrics()
+    out: dict[str, float] = {
+        "loss_scale": metrics["scale"],
+        "skipped_steps": metrics["skipped_steps"],
+    }
+    if numerics if numerics is not None else scaler.config.policy == "headroom":
+        measured = scaler.numerics()
+        if measured is not None and measured.groups:
+            out.update(measured.as_dict())
+    return out
 
 
 def _is_live_grad_scaler(scaler: object) -> bool:

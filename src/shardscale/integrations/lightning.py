@@ -393,6 +393,19 @@ class LossScaleMonitor(Callback):
     ``log_every_n_steps``, as ``LearningRateMonitor``), ``loss_scale``, ``skipped_steps`` and
     ``overflows`` from ``scaler.metrics()`` (one host read, no collective; the values are the
     same on every rank) go to every logger of the Trainer, at the step of the training metrics.
+    With ``log_numerics`` (by default: when the scaler's ``policy`` is ``"headroom"``), so do
+    the headline figures of :meth:`~shardscale.ShardedGradScaler.numerics` on those steps:
+    ``headroom_bits`` (bits to fp16's overflow left by the largest scaled gradient; negative
+    or -inf on an overflow) and ``underflow`` (the fraction of gradient elements zero or
+    subnormal in fp16, in [0, 1]). They cost one pass over the gradients and one host read per
+    parameter group on a logged step, no collective; they are this rank's (its shards under
+    FSDP; loggers usually record rank 0's). They are measured in ``on_train_batch_end``, after
+    the scaler's ``update()``: in automatic optimization Lightning zeroes the gradients at the
+    next window's first backward, so they are the step's (accumulated) gradients, after any
+    clipping (a clip scales them down: headroom reads higher, underflow too). In manual
+    optimization they are what ``training_step`` leaves: call ``opt.zero_grad()`` before
+    ``manual_backward`` (as Lightning's examples do), not after ``opt.step()``; gradients set
+    to None there log no figures (zeroed in place, they would read as inf and 1.0).
 
     **Schedulers.** The Trainer steps ``interval="step"`` schedulers right after the optimizer
     step even when the scaler skipped it (Lightning issues #16228, #5558): the learning rate runs
@@ -414,11 +427,21 @@ class LossScaleMonitor(Callback):
     Args:
         skip_lr_schedulers: hold ``interval="step"`` schedulers back on skipped steps.
         prefix: prepended to the logged names.
+        log_numerics: log ``headroom_bits`` and ``underflow`` too; None: when the scaler's
+            ``policy`` is ``"headroom"``.
+
+    Raises:
+        TypeError: ``log_numerics`` is not a bool or None.
     """
 
-    def __init__(self, skip_lr_schedulers: bool = True, prefix: str = "") -> None:
+    def __init__(
+        self, skip_lr_schedulers: bool = True, prefix: str = "", log_numerics: bool | None = None
+    ) -> None:
+        if log_numerics is not None and not isinstance(log_numerics, bool):
+            raise TypeError(f"log_numerics must be a bool or None, got {log_numerics!r}.")
         self.skip_lr_schedulers = skip_lr_schedulers
         self.prefix = prefix
+        self.log_numerics = log_numerics
         #: scheduler steps held back since the start of this fit
         self.held_back_scheduler_steps = 0
         self._module: LightningModule | None = None
@@ -464,6 +487,11 @@ class LossScaleMonitor(Callback):
             f"{self.prefix}skipped_steps": float(m["skipped_steps"]),
             f"{self.prefix}overflows": float(m["overflows"]),
         }
+        wanted = self.log_numerics
+        if wanted if wanted is not None else scaler.config.policy == "headroom":
+            numerics = scaler.numerics()  # the step's gradients: Lightning has not zeroed them
+            if numerics is not None and numerics.groups:
+                values.update((self.prefix + k, v) for k, v in numerics.as_dict().items())
         step = trainer.fit_loop.epoch_loop._batches_that_stepped
         for logger in trainer.loggers:
             logger.log_metrics(values, step=step)

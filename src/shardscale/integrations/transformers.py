@@ -16,7 +16,9 @@ before ``train()`` prepares the model and the optimizer. What it changes:
   took their steps as taken; ``accelerator.optimizer_step_was_skipped``, which the Trainer reads,
   now comes from :meth:`ShardedGradScaler.last_step_skipped` (one host read per step).
 * Every log gains ``loss_scale`` and ``skipped_steps`` (``trainer.state.log_history`` and the
-  ``report_to`` integrations: the callback moves itself first in the Trainer's callback list).
+  ``report_to`` integrations: the callback moves itself first in the Trainer's callback list);
+  with ``policy="headroom"`` (or ``log_numerics=True``) the logs of training steps gain
+  ``headroom_bits`` and ``underflow`` (:meth:`ShardedGradScaler.numerics`).
 * Checkpoints: the Trainer saves ``accelerator.scaler`` (``scaler.pt``, rank 0) and loads it on
   ``train(resume_from_checkpoint=...)``: scale, growth tracker and counters come back exactly.
 
@@ -56,27 +58,53 @@ class ShardscaleCallback(transformers.TrainerCallback):
         trainer = Trainer(model=model, args=TrainingArguments("out", fp16=True),
                           train_dataset=ds, callbacks=[ShardscaleCallback()])
 
+    Every log gains ``loss_scale`` and ``skipped_steps`` (``scaler.metrics()``: one host read
+    per log). With ``log_numerics`` (by default: when the scaler's ``policy`` is
+    ``"headroom"``), the log of a training step also gains the headline figures of
+    :meth:`ShardedGradScaler.numerics`: ``headroom_bits`` (bits to fp16's overflow left by
+    the largest scaled gradient; negative or -inf on an overflow) and ``underflow`` (the
+    fraction of gradient elements zero or subnormal in fp16, in [0, 1]). The Trainer zeroes the
+    gradients right after the optimizer step, before ``on_step_end`` and ``on_log``, so they are
+    measured in ``on_optimizer_step`` (after ``optimizer.step()``, which under accelerate runs
+    the scaler's ``step`` and ``update``; after the Trainer's clip, so a clipped step's
+    gradients: a clip by ``c`` adds ``log2(1/c)`` to the headroom and counts more elements as
+    underflowing), only on the steps the Trainer will log: every ``logging_steps`` (and the
+    first with ``logging_first_step``); with ``logging_strategy="epoch"``, whose last step is
+    not known beforehand, on every step. Each measurement costs one pass over the gradients and
+    one host read per parameter group, no collective: this rank's gradients (its shards under
+    FSDP; the ``report_to`` integrations record rank 0's). A log another callback asks for on
+    another step gets no figures.
+
     Args:
+        log_numerics: add ``headroom_bits`` and ``underflow`` to the logs; None (default): when
+            the scaler's ``policy`` is ``"headroom"``.
         **scaler_kwargs: arguments of :class:`ShardedGradScaler` (``init_scale``,
-            ``growth_interval``, ``max_consecutive_skips``, ``process_group``, ...), validated
-            here. With bf16 or full precision they go to :meth:`ShardedGradScaler.guard`.
+            ``growth_interval``, ``max_consecutive_skips``, ``process_group``, ``policy``, ...),
+            validated here. With bf16 or full precision they go to
+            :meth:`ShardedGradScaler.guard`.
 
     Attributes:
         scaler: the installed scaler (None until the Trainer is built): ``metrics()``,
             ``overflow_report()``, ``state_dict()``.
 
     Raises:
-        TypeError, ValueError: a bad scaler argument (on construction); DeepSpeed, Megatron-LM,
-            XLA, fp8, or one callback given to two Trainers (when the Trainer is built).
+        TypeError, ValueError: a bad scaler argument, or ``log_numerics`` not a bool or None
+            (on construction); DeepSpeed, Megatron-LM, XLA, fp8, or one callback given to two
+            Trainers (when the Trainer is built).
         RuntimeError: ``train()`` without the scaler installed (the callback was added after the
             Trainer was built, or the accelerator was replaced).
     """
 
-    def __init__(self, **scaler_kwargs: Any) -> None:
+    def __init__(self, *, log_numerics: bool | None = None, **scaler_kwargs: Any) -> None:
+        if log_numerics is not None and not isinstance(log_numerics, bool):
+            raise TypeError(f"log_numerics must be a bool or None, got {log_numerics!r}.")
         ShardedGradScaler(**scaler_kwargs)  # raises now on a bad argument
         self._kwargs = scaler_kwargs
+        self.log_numerics = log_numerics
         self.scaler: ShardedGradScaler | None = None
         self._trainer: weakref.ref[transformers.Trainer] | None = None
+        #: (global step, headline figures) measured for the log of that step
+        self._numerics: tuple[int, dict[str, float]] | None = None
 
     # ----------------------------------------------------------------- install
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -109,6 +137,7 @@ class ShardscaleCallback(transformers.TrainerCallback):
         callbacks.insert(0, self)  # on_log first: the report_to integrations see loss_scale
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._numerics = None
         trainer = self._trainer() if self._trainer is not None else None
         if trainer is None or self.scaler is None:
             raise RuntimeError(
@@ -127,15 +156,36 @@ class ShardscaleCallback(transformers.TrainerCallback):
             )
 
     # -------------------------------------------------------------------- logs
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """After ``optimizer.step()`` (the scaler's step and update), before the Trainer zeroes
+        the gradients: measure the numerics of a step the Trainer will log."""
+        scaler, wanted = self.scaler, self.log_numerics
+        if scaler is None:
+            return
+        if not (wanted if wanted is not None else scaler.config.policy == "headroom"):
+            return
+        step = state.global_step + 1  # the Trainer counts the step after this hook
+        self._numerics = None
+        if args.logging_strategy == "epoch" or (
+            args.logging_strategy == "steps"
+            and (step % state.logging_steps == 0 or (step == 1 and args.logging_first_step))
+        ):
+            numerics = scaler.numerics()
+            if numerics is not None and numerics.groups:
+                self._numerics = (step, numerics.as_dict())
+
     def on_log(
         self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any
     ) -> None:
-        """Add ``loss_scale`` and ``skipped_steps`` to ``logs`` and to the entry the Trainer has
-        just appended to ``state.log_history`` (one host read)."""
+        """Add ``loss_scale`` and ``skipped_steps`` (one host read), and the step's
+        ``headroom_bits`` and ``underflow`` if measured, to ``logs`` and to the entry the Trainer
+        has just appended to ``state.log_history``."""
         if self.scaler is None or logs is None:
             return
         metrics = self.scaler.metrics()
         extra = {"loss_scale": metrics["scale"], "skipped_steps": metrics["skipped_steps"]}
+        if self._numerics is not None and self._numerics[0] == state.global_step:
+            extra.update(self._numerics[1])
         history = state.log_history
         if history and history[-1].get("step") == state.global_step:
             if history[-1].keys() >= logs.keys():
