@@ -7,13 +7,13 @@ pass for the norm, one read+write pass to clip, and, under FSDP, a norm that is 
 caller knows which gradients are sharded. Here the same job is
 
 * **one read pass** over the *scaled* local gradients: per-tensor norms (``torch._foreach_norm``,
-  fp32 results), multiplied by ``1/scale`` before any power is taken, summed (p-th powers) into
-  a *sharded* and a *replicated* part;
-* **one collective**: an all-reduce of this rank's part of the sum (the replicated part from
-  rank 0 only; elsewhere inf if it is not finite) and whether it scaled (SUM; MAX for
-  ``norm_type=inf``, with an inf for a non-finite local norm: a MAX may drop a NaN) giving the
-  global norm, which is not finite exactly when some gradient anywhere was not: the agreed
-  found-inf flag is read from the norm;
+  fp32 results), multiplied by ``1/scale`` before any power is taken, and the norm of those
+  norms (as torch's ``clip_grad_norm_``) for a *sharded* and a *replicated* part;
+* **one collective**: an all-reduce of this rank's sum of the parts' p-th powers (the
+  replicated part from rank 0 only; elsewhere inf if it is not finite) and whether it scaled
+  (SUM; MAX for ``norm_type=inf``, with an inf for a non-finite local norm: a MAX may drop a
+  NaN) giving the global norm, which is not finite exactly when some gradient anywhere was
+  not: the agreed found-inf flag is read from the norm;
 * **one write pass** multiplying every gradient by ``min(1, max_norm / (norm + 1e-6)) / scale``,
   or, for fused optimizers, **none**: the factor is folded into the ``grad_scale`` handed to the
   fused kernel (``grad_scale = scale / clip_coef``). Until that kernel runs ``p.grad`` holds the
@@ -26,6 +26,7 @@ Every function here is tensor code on the scale's device: no host synchronisatio
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 from collections.abc import Iterable
@@ -342,13 +343,11 @@ def _local_norms(
     return x
 
 
-def _power_sum(x: torch.Tensor, p: float) -> torch.Tensor:
-    """sum(x ** p) of the non-negative 1-D ``x`` (max(x) for p = inf), 0-d."""
-    if math.isinf(p):
-        return x.max()
-    if p == 2.0:
-        return torch.dot(x, x)
-    return x.sum() if p == 1.0 else x.pow(p).sum()
+def _power(norm: torch.Tensor, p: float) -> torch.Tensor:
+    """``norm ** p`` (``norm`` itself for p = 1 and p = inf: maxima combine as they are)."""
+    if math.isinf(p) or p == 1.0:
+        return norm
+    return norm * norm if p == 2.0 else norm.pow(p)
 
 
 def _root(total: torch.Tensor, p: float) -> torch.Tensor:
@@ -356,6 +355,11 @@ def _root(total: torch.Tensor, p: float) -> torch.Tensor:
     if math.isinf(p) or p == 1.0:
         return total
     return total.sqrt() if p == 2.0 else total.pow(1.0 / p)
+
+
+def _zero(home: torch.device) -> torch.Tensor:
+    """The norm of no gradient (a rank that holds none): 0-d float32 on ``home``."""
+    return torch.zeros((), dtype=torch.float32, device=home)
 
 
 def _inf_if_nonfinite(x: torch.Tensor) -> torch.Tensor:
@@ -377,35 +381,36 @@ def global_norm(
     gradient anywhere was) and whether any rank ``scaled`` (0-d bool: this rank called
     ``scale()`` in the iteration; None without a group, or for ``scaled=None``).
 
-    Per ``(sharded, replicated)`` part, the per-tensor norms of its buckets in one vector and
-    one reduction (sum of p-th powers; max for p = inf). Without a group the parts are simply
-    combined. With one, ONE all-reduce over ``group`` of ``[local, scaled]`` (SUM): the
-    replicated part counted from the group's rank 0 only, other ranks sending 0 for it, or inf
-    where theirs is not finite (then the norm is inf, as ``torch.nn.utils.clip_grad_norm_``
-    gives on that rank); for p = inf ``[local, inf if local is not finite, scaled]`` (MAX: a
-    reduction may drop a NaN, never the inf). ``guard``: see :func:`_local_norms`. A per-tensor
-    norm of scaled gradients past fp32's range (with the default scale, fp32 gradients of norm
-    above ~1e34) reads as an overflow: the step is skipped and the scale backs off.
+    Each part (sharded, replicated) has the norm of its tensors' norms, as
+    ``torch.nn.utils.clip_grad_norm_`` takes it; without a group the parts' norms combine the
+    same way. With one, the parts' p-th powers are summed over ranks in ONE all-reduce over
+    ``group`` of ``[local, scaled]`` (SUM): the replicated part counted from the group's rank 0
+    only, other ranks sending 0 for it, or inf where theirs is not finite (then the norm is
+    inf, as ``torch.nn.utils.clip_grad_norm_`` gives on that rank); for p = inf the maxima,
+    ``[local, inf if local is not finite, scaled]`` (MAX: a reduction may drop a NaN, never the
+    inf). ``guard``: see :func:`_local_norms`. A per-tensor norm of scaled gradients past fp32's
+    range (with the default scale, fp32 gradients of norm above ~1e34) reads as an overflow:
+    the step is skipped and the scale backs off.
     """
     is_inf = math.isinf(p)
-    combine = torch.maximum if is_inf else torch.add
     per_part: dict[bool, list[torch.Tensor]] = {}
     for (_, _, sharded), grads in buckets.items():
-        norms = _local_norms(grads, p, inv_scale, guard, foreach)
-        per_part.setdefault(sharded, []).append(to_device(norms, home))
+        x = _local_norms(grads, p, inv_scale, guard, foreach)
+        per_part.setdefault(sharded, []).append(to_device(x, home))
     parts = {
-        sharded: _power_sum(xs[0] if len(xs) == 1 else torch.cat(xs), p).float()
+        sharded: torch.linalg.vector_norm(xs[0] if len(xs) == 1 else torch.cat(xs), p).float()
         for sharded, xs in per_part.items()
     }
-    if group is not None and not is_inf and group.rank() != 0 and False in parts:
-        parts[False] = _inf_if_nonfinite(parts[False])  # the replicas count from rank 0 only
-    pieces = list(parts.values())
-    if not pieces:
-        local = torch.zeros((), dtype=torch.float32, device=home)
-    else:
-        local = pieces[0] if len(pieces) == 1 else combine(*pieces)
     if group is None:
-        return _root(local, p), None
+        norms = list(parts.values()) or [_zero(home)]
+        if len(norms) == 1:
+            return norms[0], None
+        return torch.linalg.vector_norm(torch.stack(norms), p), None
+    powers = {sharded: _power(norm, p) for sharded, norm in parts.items()}
+    if not is_inf and group.rank() != 0 and False in powers:
+        powers[False] = _inf_if_nonfinite(powers[False])  # the replicas count from rank 0 only
+    combine = torch.maximum if is_inf else torch.add
+    local = functools.reduce(combine, list(powers.values()) or [_zero(home)])
     sent = [local, _inf_if_nonfinite(local)] if is_inf else [local]
     if scaled is not None:
         sent.append(torch.full_like(local, scaled))
@@ -520,12 +525,8 @@ def norm_and_clip(
     """The whole clip of scaled gradients: ``(total norm, grad_scale for a fused kernel or
     None, agreed found_inf, whether any rank scaled or None without a group)``
     (:func:`global_norm`, :func:`clip_coef`, :func:`unscale_and_clip`)."""
-    total, anyone = global_norm(
-        buckets, p, inv_scale, scale.device, group, scaled, guard, foreach
-    )
+    total, anyone = global_norm(buckets, p, inv_scale, scale.device, group, scaled, guard, foreach)
     check_finite(total, p, error_if_nonfinite)
     coef = clip_coef(total, max_norm)
-    grad_scale, found_inf = unscale_and_clip(
-        buckets, scale, inv_scale, total, coef, fused, foreach
-    )
+    grad_scale, found_inf = unscale_and_clip(buckets, scale, inv_scale, total, coef, fused, foreach)
     return total, grad_scale, found_inf, anyone
