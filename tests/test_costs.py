@@ -250,7 +250,7 @@ def test_a_clip_iteration_dispatches_few_aten_ops(kind, expected):
     """scale, clip_grad_norm_(opt, 1.0), step, update on one process: 30 aten ops with SGD, 28
     with fused AdamW (torch's unscale_ + clip_grad_norm_ recipe: 18). The clip: 1/scale as
     torch's unscale_ (3), the per-tensor norms in one kernel, stacked, unscaled and normed (4),
-    torch's clip coefficient (4), the overflow and fold check (6), found_inf (1), and the write
+    torch's clip coefficient (4), the overflow and fold check (7), found_inf (1), and the write
     pass (factor 2, one _foreach_mul_) or, fused, the folded grad_scale (1)."""
     phases = _steady_clip_iteration(kind)
     assert tuple(len(p) for p in phases) == expected, phases
