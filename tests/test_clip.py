@@ -280,14 +280,14 @@ def _ranks_scenarios(rank: int, world_size: int) -> dict:
         torch.optim.SGD(m.parameters(), lr=0.1).step()
         return n.item(), [p.detach().clone() for p in m.parameters()]
 
-    def run(name, model, max_norm, norm_type, gather, poison=False):
+    def run(name, model, max_norm, norm_type, gather, poison=None):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         scaler = ShardedGradScaler("cpu", init_scale=256.0)
         scaler.scale(model(mine).pow(2).mean()).backward()
-        if poison and rank == 1:
+        if poison is not None and rank == 1:
             p = next(q for q in model.parameters() if q.grad is not None)
             g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-            g.view(-1)[0] = float("inf")
+            g.view(-1)[0] = poison
         with CommDebugMode() as comm:
             norm = scaler.clip_grad_norm_(opt, max_norm, norm_type)
             scaler.step(opt)
@@ -328,23 +328,26 @@ def _ranks_scenarios(rank: int, world_size: int) -> dict:
         for orig in (False, True):
             f1 = FSDP(_model(), device_id=torch.device("cpu"), use_orig_params=orig)
             run(f"fsdp1{'_orig' if orig else ''}_{tag}", f1, 0.05, norm_type, gather1)
-    # overflow on one rank only: every rank skips and backs off
-    run(
-        "fsdp2_overflow",
-        fully_shard(_model(), mesh=init_device_mesh("cpu", (world_size,))),
-        1.0,
-        2.0,
-        lambda m: [p.full_tensor() for p in m.parameters()],
-        poison=True,
-    )
-    run(
-        "ddp_overflow",
-        DDP(_model()),
-        1.0,
-        2.0,
-        lambda m: [p.detach() for p in m.parameters()],
-        poison=True,
-    )
+    # overflow on one rank only: every rank skips and backs off; the norm is inf on every rank
+    # (NaN for a NaN in a shard: summed), as torch's clip_grad_norm_ gives on the rank with it
+    for bad, tag in ((math.inf, "inf"), (math.nan, "nan")):
+        run(
+            f"fsdp2_overflow_{tag}",
+            fully_shard(_model(), mesh=init_device_mesh("cpu", (world_size,))),
+            1.0,
+            2.0,
+            lambda m: [p.full_tensor() for p in m.parameters()],
+            poison=bad,
+        )
+        for norm_type in (2.0, math.inf):  # a replica's: counted from rank 0, flagged from 1
+            run(
+                f"ddp_overflow_{tag}_{norm_type}",
+                DDP(_model()),
+                1.0,
+                norm_type,
+                lambda m: [p.detach() for p in m.parameters()],
+                poison=bad,
+            )
     out["world"] = dist.get_world_size()
     return out
 
@@ -363,9 +366,16 @@ def test_two_ranks_ddp_fsdp1_fsdp2_match_unsharded(tmp_path):
             assert res["collectives"] == 1, name  # ONE all-reduce for clip + step
             assert not res["skipped"] and res["scale"] == 256.0
         assert r0[name]["norm"] == r1[name]["norm"], name  # bitwise agreement
-    for name in ("fsdp2_overflow", "ddp_overflow"):
+    overflows = [k for k in r0 if "overflow" in k]
+    assert len(overflows) == 6
+    for name in overflows:
         for r in results:
-            assert math.isinf(r[name]["norm"]) or math.isnan(r[name]["norm"])
+            if name == "fsdp2_overflow_nan":
+                assert math.isnan(r[name]["norm"]), name
+            elif name == "ddp_overflow_nan_inf":  # a MAX all-reduce may keep or drop a NaN
+                assert not math.isfinite(r[name]["norm"]), name
+            else:  # NaN or inf in a replica on rank 1, or inf in a shard: inf
+                assert r[name]["norm"] == math.inf, name
             assert r[name]["skipped"] and r[name]["scale"] == 128.0, name
             assert r[name]["max_param_diff"] > 0  # the step was skipped: params != reference
             assert r[name]["collectives"] == 1

@@ -220,6 +220,45 @@ def test_an_iteration_dispatches_few_aten_ops(kind, expected):
     assert "_amp_update_scale_" in update and "_amp_foreach_non_finite_check_and_unscale_" in step
 
 
+def _steady_clip_iteration(kind: str):
+    """(ops of scale, of clip_grad_norm_, of step, of update) in the 4th iteration."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    opt = OPTIMIZERS[kind](model.parameters())
+    scaler = ShardedGradScaler("cpu")
+    x = torch.randn(4, 8)
+    for _ in range(4):
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        phases = []
+        with AtenOps() as a:
+            scaled = scaler.scale(loss)
+        phases.append(a.names)
+        scaled.backward()
+        for call in (lambda: scaler.clip_grad_norm_(opt, 1.0), lambda: scaler.step(opt)):
+            with AtenOps() as a:
+                call()
+            phases.append(a.names)
+        with AtenOps() as a:
+            scaler.update()
+        phases.append(a.names)
+    return phases
+
+
+@pytest.mark.parametrize("kind,expected", [("sgd", (1, 22, 1, 6)), ("adamw_fused", (1, 20, 1, 6))])
+def test_a_clip_iteration_dispatches_few_aten_ops(kind, expected):
+    """scale, clip_grad_norm_(opt, 1.0), step, update on one process: 30 aten ops with SGD, 28
+    with fused AdamW (torch's unscale_ + clip_grad_norm_ recipe: 18). The clip: 1/scale as
+    torch's unscale_ (3), the per-tensor norms in one kernel, stacked, unscaled and normed (4),
+    torch's clip coefficient (4), the overflow and fold check (7), found_inf (1), and the write
+    pass (factor 2, one _foreach_mul_) or, fused, the folded grad_scale (1)."""
+    phases = _steady_clip_iteration(kind)
+    assert tuple(len(p) for p in phases) == expected, phases
+    clip = phases[1]
+    assert clip.count("_foreach_norm") == 1 and "stack" in clip
+    assert clip.count("_foreach_mul_") == (kind == "sgd")  # fused: folded, no write pass
+
+
 def test_options_off_cost_nothing_and_options_on_run_the_whole_rule():
     """Bounds at their defaults, hysteresis 1, no skip guard: the 6-op update. Bounds that may
     bind, hysteresis or a skip guard: the whole rule (more ops, same results elsewhere)."""

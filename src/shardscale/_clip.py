@@ -7,10 +7,13 @@ pass for the norm, one read+write pass to clip, and, under FSDP, a norm that is 
 caller knows which gradients are sharded. Here the same job is
 
 * **one read pass** over the *scaled* local gradients: per-tensor norms (``torch._foreach_norm``,
-  fp32 results), multiplied by ``1/scale`` before any power is taken, split into a *sharded* and
-  a *replicated* part;
-* **one collective**: an all-reduce of ``[sharded_part, replicated_part_on_rank_0, nonfinite]``
-  (SUM, or MAX for ``norm_type=inf``) giving the global norm *and* the agreed found-inf flag;
+  fp32 results), multiplied by ``1/scale`` before any power is taken, and the norm of those
+  norms (as torch's ``clip_grad_norm_``) for a *sharded* and a *replicated* part;
+* **one collective**: an all-reduce of this rank's sum of the parts' p-th powers (the
+  replicated part from rank 0 only; elsewhere inf if it is not finite) and whether it scaled
+  (SUM; MAX for ``norm_type=inf``, with an inf for a non-finite local norm: a MAX may drop a
+  NaN) giving the global norm, which is not finite exactly when some gradient anywhere was
+  not: the agreed found-inf flag is read from the norm;
 * **one write pass** multiplying every gradient by ``min(1, max_norm / (norm + 1e-6)) / scale``,
   or, for fused optimizers, **none**: the factor is folded into the ``grad_scale`` handed to the
   fused kernel (``grad_scale = scale / clip_coef``). Until that kernel runs ``p.grad`` holds the
@@ -23,6 +26,7 @@ Every function here is tensor code on the scale's device: no host synchronisatio
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 from collections.abc import Iterable
@@ -313,33 +317,54 @@ def _norms(tensors: list[torch.Tensor], p: float, dtype: torch.dtype | None, for
     return [torch.linalg.vector_norm(t, p, dtype=dtype) for t in tensors]
 
 
-def _local_piece(
+def _local_norms(
     grads: list[torch.Tensor],
     p: float,
     inv: torch.Tensor | None,
     guard: bool = False,
     foreach: bool = True,
 ) -> torch.Tensor:
-    """sum(|g / scale|^p) over ``grads`` (max(|g / scale|) for p = inf), a 0-d float32 (float64
-    for float64 gradients): per-tensor norms of the *scaled* gradients (fp16 ones accumulated in
-    fp32, piece by piece: an fp16 norm would overflow at 65504), each multiplied by ``inv``
-    before any power."""
+    """The per-tensor norms of ``grads / scale``, a 1-D float32 (float64 for float64
+    gradients): the norms of the *scaled* gradients (fp16 ones accumulated in fp32, piece by
+    piece: an fp16 norm would overflow at 65504), each multiplied by ``inv`` before any power.
+    ``guard`` (a scale that may be below 1): a norm past an fp16/bf16 gradient's range is inf."""
     acc = torch.float64 if grads[0].dtype == torch.float64 else torch.float32
     if grads[0].dtype == torch.float16:
         norms = _norms(_pieces(grads), p, acc, foreach)
     else:
         norms = _norms(grads, p, None, foreach)
-    stacked = torch.stack(norms).to(acc)
+    x = torch.stack(norms).to(acc)
     if inv is not None:
-        stacked = stacked * inv.to(device=stacked.device, dtype=acc)
+        x = x * inv.to(device=x.device, dtype=acc)
     if guard and grads[0].dtype != acc:
-        # a scale below 1: an unscaled value may leave fp16/bf16 while the fp32 norm is finite;
-        # no element exceeds its tensor's norm, so a norm past the dtype's range counts as one
-        limit = torch.finfo(grads[0].dtype).max
-        stacked = torch.where(stacked > limit, math.inf, stacked)
-    if math.isinf(p):
-        return stacked.max()
-    return (stacked * stacked).sum() if p == 2.0 else stacked.pow(p).sum()
+        # an unscaled value may leave fp16/bf16 while the fp32 norm is finite; no element
+        # exceeds its tensor's norm, so a norm past the dtype's range counts as one
+        x = x.masked_fill(x > torch.finfo(grads[0].dtype).max, math.inf)
+    return x
+
+
+def _power(norm: torch.Tensor, p: float) -> torch.Tensor:
+    """``norm ** p`` (``norm`` itself for p = 1 and p = inf: maxima combine as they are)."""
+    if math.isinf(p) or p == 1.0:
+        return norm
+    return norm * norm if p == 2.0 else norm.pow(p)
+
+
+def _root(total: torch.Tensor, p: float) -> torch.Tensor:
+    """``total ** (1 / p)`` (``total`` itself for p = 1 and p = inf)."""
+    if math.isinf(p) or p == 1.0:
+        return total
+    return total.sqrt() if p == 2.0 else total.pow(1.0 / p)
+
+
+def _zero(home: torch.device) -> torch.Tensor:
+    """The norm of no gradient (a rank that holds none): 0-d float32 on ``home``."""
+    return torch.zeros((), dtype=torch.float32, device=home)
+
+
+def _inf_if_nonfinite(x: torch.Tensor) -> torch.Tensor:
+    """0 where ``x`` is finite, inf where it is inf or NaN (two ops, no host read)."""
+    return (x * 0).nan_to_num(nan=math.inf)
 
 
 def global_norm(
@@ -348,47 +373,52 @@ def global_norm(
     inv_scale: torch.Tensor | None,
     home: torch.device,
     group: Any,
-    scaled: bool = True,
+    scaled: bool | None = True,
     guard: bool = False,
     foreach: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The total norm over shards and ranks (0-d float32 on ``home``), the agreed found-inf
-    flag (0-d float32: 1.0 if any gradient anywhere was inf/NaN) and whether any rank ``scaled``
-    (0-d bool: this rank called ``scale()`` in the iteration).
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The total norm over shards and ranks (0-d float32 on ``home``: inf or NaN if any
+    gradient anywhere was) and whether any rank ``scaled`` (0-d bool: this rank called
+    ``scale()`` in the iteration; None without a group, or for ``scaled=None``).
 
-    One all-reduce of ``[sharded, replicated (group rank 0 only), nonfinite, scaled]`` over
-    ``group`` (SUM; MAX for p = inf), none without a group. ``guard`` (a scale that may be
-    below 1): a per-tensor unscaled norm past an fp16/bf16 gradient's range is an overflow. A per-tensor norm of scaled gradients past
-    fp32's range (with the default scale, fp32 gradients of norm above ~1e34) reads as an
-    overflow: the step is skipped and the scale backs off.
+    Each part (sharded, replicated) has the norm of its tensors' norms, as
+    ``torch.nn.utils.clip_grad_norm_`` takes it; without a group the parts' norms combine the
+    same way. With one, the parts' p-th powers are summed over ranks in ONE all-reduce over
+    ``group`` of ``[local, scaled]`` (SUM): the replicated part counted from the group's rank 0
+    only, other ranks sending 0 for it, or inf where theirs is not finite (then the norm is
+    inf, as ``torch.nn.utils.clip_grad_norm_`` gives on that rank); for p = inf the maxima,
+    ``[local, inf if local is not finite, scaled]`` (MAX: a reduction may drop a NaN, never the
+    inf). ``guard``: see :func:`_local_norms`. A per-tensor norm of scaled gradients past fp32's
+    range (with the default scale, fp32 gradients of norm above ~1e34) reads as an overflow:
+    the step is skipped and the scale backs off.
     """
     is_inf = math.isinf(p)
-    parts = [torch.zeros((), dtype=torch.float32, device=home) for _ in range(2)]
+    per_part: dict[bool, list[torch.Tensor]] = {}
     for (_, _, sharded), grads in buckets.items():
-        piece = to_device(_local_piece(grads, p, inv_scale, guard, foreach).float(), home)
-        i = 0 if sharded else 1
-        parts[i] = torch.maximum(parts[i], piece) if is_inf else parts[i] + piece
-    sharded_part, replicated_part = parts
-    local = torch.maximum(*parts) if is_inf else sharded_part + replicated_part
-    nonfinite = (~torch.isfinite(local)).float()
-    if group is not None and not is_inf and group.rank() != 0:
-        replicated_part = torch.zeros_like(replicated_part)  # counted once, from rank 0
-    packed = torch.stack(
-        [sharded_part, replicated_part, nonfinite, torch.full_like(nonfinite, scaled)]
-    )
-    if group is not None:
-        op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
-        packed = _sync.all_reduce(packed, [group], op, call=("clip_grad_norm_()", None))
-    if is_inf:
-        total = torch.maximum(packed[0], packed[1])
-    else:
-        total = packed[0] + packed[1]
-        total = total.sqrt() if p == 2.0 else total.pow(1.0 / p)
-    # a non-finite replicated gradient on a rank other than 0 is only counted in the flag:
-    # report the norm as inf then, as torch.nn.utils.clip_grad_norm_ would on that rank
-    flagged = packed[2] > 0
-    total = torch.where(flagged & torch.isfinite(total), math.inf, total)
-    return total, (flagged | ~torch.isfinite(total)).float(), packed[3] > 0
+        x = _local_norms(grads, p, inv_scale, guard, foreach)
+        per_part.setdefault(sharded, []).append(to_device(x, home))
+    parts = {
+        sharded: torch.linalg.vector_norm(xs[0] if len(xs) == 1 else torch.cat(xs), p).float()
+        for sharded, xs in per_part.items()
+    }
+    if group is None:
+        norms = list(parts.values()) or [_zero(home)]
+        if len(norms) == 1:
+            return norms[0], None
+        return torch.linalg.vector_norm(torch.stack(norms), p), None
+    powers = {sharded: _power(norm, p) for sharded, norm in parts.items()}
+    if not is_inf and group.rank() != 0 and False in powers:
+        powers[False] = _inf_if_nonfinite(powers[False])  # the replicas count from rank 0 only
+    combine = torch.maximum if is_inf else torch.add
+    local = functools.reduce(combine, list(powers.values()) or [_zero(home)])
+    sent = [local, _inf_if_nonfinite(local)] if is_inf else [local]
+    if scaled is not None:
+        sent.append(torch.full_like(local, scaled))
+    op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
+    packed = _sync.all_reduce(torch.stack(sent), [group], op, call=("clip_grad_norm_()", None))
+    got = packed.unbind()
+    total = torch.maximum(got[0], got[1]) if is_inf else got[0]
+    return _root(total, p), None if scaled is None else got[-1] > 0
 
 
 def clip_coef(total: torch.Tensor, max_norm: float) -> torch.Tensor:
@@ -420,12 +450,13 @@ def unscale_and_clip(
     buckets: Buckets,
     scale: torch.Tensor,
     inv_scale: torch.Tensor,
+    total: torch.Tensor,
     coef: torch.Tensor,
-    found_inf: torch.Tensor,
     fused: bool,
     foreach: bool = True,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """Unscale and clip: ``(grad_scale for a fused kernel or None, found_inf)``.
+    """Unscale and clip: ``(grad_scale for a fused kernel or None, found_inf)``, ``found_inf``
+    0-d float32: 1.0 for an overflow (a non-finite ``total``, or a fold past ``_FOLD_LIMIT``).
 
     Fused: no write pass, the kernel divides by ``grad_scale = scale / coef`` in its fp32 math.
     Otherwise one write pass by ``coef / scale``. After an overflow the gradients are only
@@ -434,16 +465,16 @@ def unscale_and_clip(
     fp32's normal range and silently zero or blur the update: the step is taken as an overflow
     (skipped, the scale backs off), which needs no host read.
     """
-    folded = torch.where(found_inf > 0, scale, scale / coef).float()
+    # NaN where the total is not finite, so that the test below flags it too; otherwise coef.
     # (coef == 0, max_norm=0, is fine: a factor of 0, or a fused grad_scale of inf, zeroes the
     # gradients exactly)
-    too_big = ~(folded < _FOLD_LIMIT) & (coef != 0)
-    found_inf = torch.maximum(found_inf, too_big.float())
-    overflow = found_inf > 0
+    checked = coef + total * 0
+    folded = scale / checked
+    overflow = ~(folded < _FOLD_LIMIT) & (checked != 0)
     if fused:
-        return torch.where(overflow, scale, folded), found_inf
+        return torch.where(overflow, scale, folded), overflow.float()
     mul_all(buckets, torch.where(overflow, inv_scale, coef * inv_scale), foreach)
-    return None, found_inf
+    return None, overflow.float()
 
 
 def clip_unscaled(
@@ -457,7 +488,7 @@ def clip_unscaled(
     """Clip gradients that are not scaled (a disabled scaler, or after ``unscale_``), as torch's
     ``clip_grad_norm_``."""
     home = next(iter(buckets))[0] if buckets else torch.device("cpu")
-    total, _, _ = global_norm(buckets, p, None, home, group, foreach=foreach)
+    total, _ = global_norm(buckets, p, None, home, group, None, foreach=foreach)
     check_finite(total, p, error_if_nonfinite)
     mul_all(buckets, clip_coef(total, max_norm), foreach)
     return total
@@ -492,14 +523,10 @@ def norm_and_clip(
     foreach: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """The whole clip of scaled gradients: ``(total norm, grad_scale for a fused kernel or
-    None, agreed found_inf, whether any rank scaled)`` (:func:`global_norm`,
-    :func:`clip_coef`, :func:`unscale_and_clip`)."""
-    total, found_inf, anyone = global_norm(
-        buckets, p, inv_scale, scale.device, group, scaled, guard, foreach
-    )
+    None, agreed found_inf, whether any rank scaled or None without a group)``
+    (:func:`global_norm`, :func:`clip_coef`, :func:`unscale_and_clip`)."""
+    total, anyone = global_norm(buckets, p, inv_scale, scale.device, group, scaled, guard, foreach)
     check_finite(total, p, error_if_nonfinite)
     coef = clip_coef(total, max_norm)
-    grad_scale, found_inf = unscale_and_clip(
-        buckets, scale, inv_scale, coef, found_inf, fused, foreach
-    )
+    grad_scale, found_inf = unscale_and_clip(buckets, scale, inv_scale, total, coef, fused, foreach)
     return total, grad_scale, found_inf, anyone
