@@ -231,6 +231,80 @@ def test_fused_steps_read_the_host_only_to_poll_the_alarm():
     assert scaler.get_scale() > 2.0**10
 
 
+# ------------------------------------------------------------------------------- clipping
+def _train_clipped(scaler, steps, fused, ours: bool):
+    """:func:`_train`'s batches with a clip of max_norm 0.5: ``scaler.clip_grad_norm_`` (ours)
+    or torch's recipe (``unscale_`` then ``torch.nn.utils.clip_grad_norm_``); the log2 scales."""
+    torch.manual_seed(0)
+    net = Net()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2, fused=fused)
+    scales = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(64, 16, generator=g), torch.randint(0, 4, (64,), generator=g)
+        with torch.autocast("cpu", dtype=torch.float16):
+            logits = net(x)
+        scales.append(math.log2(scaler.get_scale()))
+        opt.zero_grad()
+        scaler.scale(F.cross_entropy(logits.float(), y)).backward()
+        if ours:
+            scaler.clip_grad_norm_(opt, 0.5)
+        else:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 0.5)
+        scaler.step(opt)
+        scaler.update()
+    params = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    return scales, params
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_clipped_iteration_is_measured_as_an_unscaled_one(fused):
+    """The clip's read measures the amax: the same scales as unscale_ and torch's clip."""
+    kw = dict(init_scale=1.0, policy="headroom", headroom_history=4)
+    ours, p_ours = _train_clipped(ShardedGradScaler("cpu", **kw), 8, fused, ours=True)
+    theirs, p_theirs = _train_clipped(ShardedGradScaler("cpu", **kw), 8, fused, ours=False)
+    assert ours == theirs and ours[1] >= 10  # from 2**0 straight to the target
+    torch.testing.assert_close(p_ours, p_theirs)
+
+
+def _two_ranks_clipped(rank: int, world_size: int, norm_type: float) -> dict:
+    """Pipeline-style: rank r holds and steps only layer r (rank_local_params), clipped by
+    the scaler over both ranks; different amaxes per rank."""
+    torch.manual_seed(0)
+    net = Net()
+    owned = [net.a, net.b][rank]
+    opt = torch.optim.AdamW(owned.parameters(), lr=1e-2)
+    scaler = ShardedGradScaler("cpu", init_scale=1.0, policy="headroom", rank_local_params=True)
+    scales, amaxes = [], []
+    for step in range(4):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(64, 16, generator=g), torch.randint(0, 4, (64,), generator=g)
+        with torch.autocast("cpu", dtype=torch.float16):
+            logits = net(x)
+        net.zero_grad()
+        scale = scaler.get_scale()
+        scaler.scale(F.cross_entropy(logits.float(), y)).backward()
+        amaxes.append(max(p.grad.abs().max().item() for p in owned.parameters()))  # scaled
+        scaler.clip_grad_norm_(opt, 0.5, norm_type)
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scale)
+    return {"scales": scales, "amaxes": amaxes}
+
+
+@pytest.mark.parametrize("norm_type", [2.0, INF])
+def test_two_ranks_measure_in_the_clips_all_reduce(tmp_path, norm_type):
+    """p=2: the clip's SUM carries the amax's exponent (its power-of-two upper bound); p=inf:
+    its MAX carries the amax itself. Both ranks take the same scale from it."""
+    r0, r1 = run_ranks(_two_ranks_clipped, tmp_path, norm_type)
+    assert r0["scales"] == r1["scales"]
+    peak = max(r0["amaxes"][0], r1["amaxes"][0])  # scale 1: scaled = unscaled
+    assert r0["amaxes"][0] != r1["amaxes"][0]
+    agreed = peak if math.isinf(norm_type) else 2.0 ** math.frexp(peak)[1]
+    assert agreed >= peak and math.log2(r0["scales"][1]) == _target(agreed, 4.0)
+
+
 # ------------------------------------------------------------------------------- 2 ranks
 def _two_ranks(rank: int, world_size: int, fused: bool) -> dict:
     """ZeRO-style: both ranks compute the same full gradients; rank r steps only layer r

@@ -38,7 +38,7 @@ import torch.optim.optimizer as _optim
 
 from . import _sync
 from ._config import check_flag
-from ._grads import SharedMemoryGradError, check_bucket, local_grads, to_device
+from ._grads import SharedMemoryGradError, check_bucket, local_grads, peak, to_device
 
 try:
     from torch.distributed.tensor import DTensor
@@ -367,6 +367,38 @@ def _inf_if_nonfinite(x: torch.Tensor) -> torch.Tensor:
     return (x * 0).nan_to_num(nan=math.inf)
 
 
+#: ``policy="headroom"``'s amax in the clip's SUM all-reduce (which cannot carry a MAX): a
+#: thermometer code of its binary exponent ``E`` (``amax < 2**E``, :func:`torch.frexp`), slot
+#: ``k`` set when ``E >= k + _EXP_LO``, over float32's whole range (``E`` in -148..128). After
+#: the SUM the slots set on any rank are the first ``max(E)`` ones: ``2**max(E)`` bounds the
+#: group's amax from above within a factor of 2.
+_EXP_LO, _EXP_SLOTS = -148, 277
+_SLOTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _thermometer(amax: torch.Tensor) -> torch.Tensor:
+    """The thermometer code of 0-d ``amax`` (all zeros for ``amax <= 0``): 1-D float32."""
+    slots = _SLOTS.get(amax.device)
+    if slots is None:  # made once per device
+        slots = _SLOTS[amax.device] = torch.arange(_EXP_SLOTS, device=amax.device) + _EXP_LO
+    return ((slots <= torch.frexp(amax)[1]) & (amax > 0)).float()
+
+
+def _from_thermometer(counts: torch.Tensor) -> torch.Tensor:
+    """``2**max(E)`` from the summed slots (0.0 when none is set): 0-d float32."""
+    n = (counts > 0).sum()
+    return torch.exp2((n + (_EXP_LO - 1)).float()) * (n > 0)
+
+
+def local_amax(buckets: Buckets, home: torch.device) -> torch.Tensor:
+    """The largest |gradient| of ``buckets`` (one read pass, :func:`peak`), 0-d float32 on
+    ``home``; 0.0 for none."""
+    out = _zero(home)
+    for grads in buckets.values():
+        out = torch.maximum(out, to_device(peak(grads), home))
+    return out
+
+
 def global_norm(
     buckets: Buckets,
     p: float,
@@ -376,6 +408,7 @@ def global_norm(
     scaled: bool | None = True,
     guard: bool = False,
     foreach: bool = True,
+    amax: dict[torch.device, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The total norm over shards and ranks (0-d float32 on ``home``: inf or NaN if any
     gradient anywhere was) and whether any rank ``scaled`` (0-d bool: this rank called
@@ -391,8 +424,14 @@ def global_norm(
     inf). ``guard``: see :func:`_local_norms`. A per-tensor norm of scaled gradients past fp32's
     range (with the default scale, fp32 gradients of norm above ~1e34) reads as an overflow:
     the step is skipped and the scale backs off.
+
+    ``amax`` (``policy="headroom"``): filled with ``{home: the largest |gradient| over the
+    ranks}`` (one more read pass, :func:`local_amax`): exact without a group and for p = inf
+    (a MAX slot); for a SUM its power-of-two upper bound (:data:`_EXP_SLOTS` more slots in the
+    same all-reduce: at most one bit above).
     """
     is_inf = math.isinf(p)
+    mine = None if amax is None else local_amax(buckets, home)
     per_part: dict[bool, list[torch.Tensor]] = {}
     for (_, _, sharded), grads in buckets.items():
         x = _local_norms(grads, p, inv_scale, guard, foreach)
@@ -402,6 +441,8 @@ def global_norm(
         for sharded, xs in per_part.items()
     }
     if group is None:
+        if mine is not None:
+            amax[home] = mine
         norms = list(parts.values()) or [_zero(home)]
         if len(norms) == 1:
             return norms[0], None
@@ -414,9 +455,18 @@ def global_norm(
     sent = [local, _inf_if_nonfinite(local)] if is_inf else [local]
     if scaled is not None:
         sent.append(torch.full_like(local, scaled))
+    if mine is not None and is_inf:
+        sent.append(mine)
     op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
-    packed = _sync.all_reduce(torch.stack(sent), [group], op, call=("clip_grad_norm_()", None))
-    got = packed.unbind()
+    packed = torch.stack(sent)
+    if mine is not None and not is_inf:
+        packed = torch.cat([packed, _thermometer(mine)])
+    packed = _sync.all_reduce(packed, [group], op, call=("clip_grad_norm_()", None))
+    n = len(sent)
+    if mine is not None:
+        amax[home] = packed[n - 1] if is_inf else _from_thermometer(packed[n:])
+        n -= is_inf
+    got = packed[:n].unbind()
     total = torch.maximum(got[0], got[1]) if is_inf else got[0]
     return _root(total, p), None if scaled is None else got[-1] > 0
 
@@ -521,11 +571,15 @@ def norm_and_clip(
     guard: bool = False,
     error_if_nonfinite: bool = False,
     foreach: bool = True,
+    amax: dict[torch.device, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """The whole clip of scaled gradients: ``(total norm, grad_scale for a fused kernel or
     None, agreed found_inf, whether any rank scaled or None without a group)``
-    (:func:`global_norm`, :func:`clip_coef`, :func:`unscale_and_clip`)."""
-    total, anyone = global_norm(buckets, p, inv_scale, scale.device, group, scaled, guard, foreach)
+    (:func:`global_norm`, :func:`clip_coef`, :func:`unscale_and_clip`); ``amax``: see
+    :func:`global_norm`."""
+    total, anyone = global_norm(
+        buckets, p, inv_scale, scale.device, group, scaled, guard, foreach, amax
+    )
     check_finite(total, p, error_if_nonfinite)
     coef = clip_coef(total, max_norm)
     grad_scale, found_inf = unscale_and_clip(buckets, scale, inv_scale, total, coef, fused, foreach)

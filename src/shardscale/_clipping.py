@@ -17,9 +17,13 @@ the record, and which of :mod:`shardscale._clip`'s pure functions it runs.
   all-reduce whether another rank scaled (else its gradients must be zero);
 * a joined rank (``Join``) clips no gradients of its own and takes part in the all-reduce.
 
-Reads the scaler's ``_it``, ``_calls``, ``_enabled``, ``_loss_scale``, ``_bounds``,
-``_names``, ``_device``, ``process_group``, ``rank_local_params`` and ``_join_config``
-(``Joinable``'s), and calls its ``_begin`` and ``_lazy_init_scale_growth_tracker``.
+With ``policy="headroom"`` a clip of scaled gradients measures their amax (one more read
+pass on measured steps, :func:`_clip.global_norm`) for the rule, as a check does.
+
+Reads the scaler's ``_it``, ``_calls``, ``_config``, ``_headroom``, ``_enabled``,
+``_loss_scale``, ``_bounds``, ``_names``, ``_device``, ``process_group``,
+``rank_local_params`` and ``_join_config`` (``Joinable``'s), and calls its ``_begin`` and
+``_lazy_init_scale_growth_tracker``.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Any
 import torch
 from torch.amp.grad_scaler import OptState
 
-from . import _clip, _grads, _join, _sync
+from . import _clip, _grads, _headroom, _join, _sync
 from ._protocol import is_optimizer, step_kind
 
 
@@ -38,6 +42,8 @@ class Clipping:
 
     _it: Any
     _calls: Any
+    _config: Any
+    _headroom: Any
     _enabled: bool
     _loss_scale: Any
     _bounds: Any
@@ -100,11 +106,18 @@ class Clipping:
         idle = buckets and not (it.scaled_here or it.ever_scaled)  # refused before any write
         if idle and group is None:  # on one process: no other rank scaled
             it.scaled_elsewhere(None, params, "clip_grad_norm_")
+        probe = None  # policy="headroom": the amax is measured in the clip's read
+        if self._config.policy != "torch":
+            probe = self._headroom.request(self._config, check_only=False)
         out = _clip.norm_and_clip(
-            buckets, scale, inv, args.p, args.max_norm, group, fused, it.vote(), low, **args.opts
-        )
+            buckets, scale, inv, args.p, args.max_norm, group, fused, it.vote(), low,
+            amax=probe, **args.opts,
+        )  # fmt: skip
         if idle and group is not None:  # the clip's all-reduce tells whether another rank did
             it.scaled_elsewhere(out[3], params, "clip_grad_norm_", written=True)
+        if probe is not None:
+            world = 1 if group is None else group.size()
+            self._headroom.note(_headroom.local_amax(probe, scale.device), world)
         return out
 
     def _clip_params(

@@ -335,7 +335,7 @@ def unscale_and_check(
     return flags
 
 
-def _peak(grads: list[torch.Tensor]) -> torch.Tensor:
+def peak(grads: list[torch.Tensor]) -> torch.Tensor:
     """max |g| over ``grads`` (one device and dtype) as a 0-d float32, in one read pass; an inf
     or NaN propagates. ``torch._foreach_norm(grads, inf)`` (one multi-tensor kernel on CUDA);
     on the CPU, where that norm is ~10x slower than torch's check kernel, one ``aminmax`` per
@@ -355,7 +355,7 @@ def measure_and_check(
     """:func:`unscale_and_check`, measuring the largest |gradient| before unscaling
     (``policy="headroom"``).
 
-    Per (device, dtype) bucket one pass reads every gradient once (:func:`_peak`: max |g|; an
+    Per (device, dtype) bucket one pass reads every gradient once (:func:`peak`: max |g|; an
     inf or NaN propagates). ``check_only`` (a fused step's check,
     factor 1): that pass is the check, replacing torch's check kernel (no extra read);
     otherwise torch's kernel then unscales (one more read and write, as without measuring).
@@ -374,17 +374,17 @@ def measure_and_check(
     flags: dict[torch.device, torch.Tensor] = {}
     with torch.no_grad():
         for device, per_dtype in buckets.items():
-            peaks = [_peak(grads) for grads in per_dtype.values()]
-            peak = peaks[0] if len(peaks) == 1 else torch.stack(peaks).max()
-            peak = torch.nan_to_num(peak, nan=math.inf, posinf=math.inf)
+            peaks = [peak(grads) for grads in per_dtype.values()]
+            top = peaks[0] if len(peaks) == 1 else torch.stack(peaks).max()
+            top = torch.nan_to_num(top, nan=math.inf, posinf=math.inf)
             if check_only:
-                flag = (peak == math.inf).float()
+                flag = (top == math.inf).float()
             else:
                 flag = torch.zeros((), dtype=torch.float32, device=device)
                 inv = inv_scale if inv_scale.device == device else to_device(inv_scale, device)
                 for grads in per_dtype.values():
                     torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv)
-            flags[device], amax[device] = flag, peak
+            flags[device], amax[device] = flag, top
     return flags
 
 
