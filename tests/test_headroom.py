@@ -92,6 +92,15 @@ class Net(torch.nn.Module):
         return self.b(torch.tanh(self.a(x)))
 
 
+def _loss(net: torch.nn.Module, step: int) -> torch.Tensor:
+    """The fp32 loss of ``net`` in fp16 autocast on batch ``step`` (fixed random data)."""
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(64, 16, generator=g), torch.randint(0, 4, (64,), generator=g)
+    with torch.autocast("cpu", dtype=torch.float16):
+        logits = net(x)
+    return F.cross_entropy(logits.float(), y)
+
+
 def _train(scaler, steps, fused=False, inf_at=(), seed=0, net=None, opt=None, start=0):
     """fp16-autocast training on fixed random batches; returns per-step (log2 scale used,
     skipped, unscaled amax of the weight gradients)."""
@@ -100,11 +109,7 @@ def _train(scaler, steps, fused=False, inf_at=(), seed=0, net=None, opt=None, st
     opt = opt if opt is not None else torch.optim.AdamW(net.parameters(), lr=1e-2, fused=fused)
     out = []
     for step in range(start, start + steps):
-        g = torch.Generator().manual_seed(step)
-        x, y = torch.randn(64, 16, generator=g), torch.randint(0, 4, (64,), generator=g)
-        with torch.autocast("cpu", dtype=torch.float16):
-            logits = net(x)
-        loss = F.cross_entropy(logits.float(), y)
+        loss = _loss(net, step)
         scale = scaler.get_scale()
         opt.zero_grad()
         scaler.scale(loss).backward()
@@ -240,13 +245,10 @@ def _train_clipped(scaler, steps, fused, ours: bool):
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2, fused=fused)
     scales = []
     for step in range(steps):
-        g = torch.Generator().manual_seed(step)
-        x, y = torch.randn(64, 16, generator=g), torch.randint(0, 4, (64,), generator=g)
-        with torch.autocast("cpu", dtype=torch.float16):
-            logits = net(x)
+        loss = _loss(net, step)
         scales.append(math.log2(scaler.get_scale()))
         opt.zero_grad()
-        scaler.scale(F.cross_entropy(logits.float(), y)).backward()
+        scaler.scale(loss).backward()
         if ours:
             scaler.clip_grad_norm_(opt, 0.5)
         else:
@@ -278,13 +280,10 @@ def _two_ranks_clipped(rank: int, world_size: int, norm_type: float) -> dict:
     scaler = ShardedGradScaler("cpu", init_scale=1.0, policy="headroom", rank_local_params=True)
     scales, amaxes = [], []
     for step in range(4):
-        g = torch.Generator().manual_seed(step)
-        x, y = torch.randn(64, 16, generator=g), torch.randint(0, 4, (64,), generator=g)
-        with torch.autocast("cpu", dtype=torch.float16):
-            logits = net(x)
+        loss = _loss(net, step)
         net.zero_grad()
         scale = scaler.get_scale()
-        scaler.scale(F.cross_entropy(logits.float(), y)).backward()
+        scaler.scale(loss).backward()
         amaxes.append(max(p.grad.abs().max().item() for p in owned.parameters()))  # scaled
         scaler.clip_grad_norm_(opt, 0.5, norm_type)
         scaler.step(opt)
@@ -318,14 +317,11 @@ def _two_ranks(rank: int, world_size: int, fused: bool) -> dict:
     scaler = ShardedGradScaler("cpu", init_scale=1.0, policy="headroom")
     scales, amaxes = [], []
     for step in range(8):
-        g = torch.Generator().manual_seed(step)
-        x, y = torch.randn(64, 16, generator=g), torch.randint(0, 4, (64,), generator=g)
-        with torch.autocast("cpu", dtype=torch.float16):
-            logits = net(x)
+        loss = _loss(net, step)
         opt.zero_grad()
         net.zero_grad()
         scale = scaler.get_scale()
-        scaler.scale(F.cross_entropy(logits.float(), y)).backward()
+        scaler.scale(loss).backward()
         if step == 5 and rank == 1:
             net.b.weight.grad.view(-1)[0] = INF  # one rank overflows: both skip
         amaxes.append(max(p.grad.abs().max().item() for p in owned.parameters()) / scale)
