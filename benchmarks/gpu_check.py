@@ -267,6 +267,7 @@ def copy_vs_unscale(numel: int, dtype: torch.dtype, rounds: int = 20) -> tuple[f
         torch.cuda.synchronize()
         t_unscale.append(time.perf_counter() - t0)
         scaler.update()
+        scaler.scale(torch.ones((), device="cuda"))  # the next iteration's gradients are scaled
     nbytes = 2 * gs.nbytes
     return nbytes / statistics.median(t_unscale[2:]) / 1e9, nbytes / statistics.median(
         t_copy[2:]
@@ -287,6 +288,7 @@ def kernel_bandwidth(numel: int, dtype: torch.dtype, rounds: int = 10) -> tuple[
     for _ in range(2):  # warm-up
         scaler.unscale_(opt)
         scaler.update()
+        scaler.scale(torch.ones((), device="cuda"))
         torch._foreach_copy_(dst, gs.grads)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -294,6 +296,7 @@ def kernel_bandwidth(numel: int, dtype: torch.dtype, rounds: int = 10) -> tuple[
             torch._foreach_copy_(dst, gs.grads)
             scaler.unscale_(opt)
             scaler.update()
+            scaler.scale(torch.ones((), device="cuda"))  # not among the kernels summed below
         torch.cuda.synchronize()
 
     def device_us(op: str) -> float:

@@ -199,3 +199,79 @@ def test_a_compiled_loop_still_raises_the_collapse(fused):
             run(torch.randn(3, 4))
     assert info.value.step == 4  # the fifth skip in a row
     assert scaler.metrics()["steps"] <= POLL_EVERY + 1
+
+
+def _clipped(fused: bool, compiled: bool, policy: str = "torch") -> tuple:
+    """A clipped step (``scaler.clip_grad_norm_``) with an inf loss at step 2 and a NaN at 4,
+    compiled with inductor (the default backend: its own simplifications, not aot_eager's).
+    Inputs > 0 and a linear loss: the inf loss gives +inf gradients (an inf norm, not NaN)."""
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.01, fused=fused or None)
+    scaler = ShardedGradScaler("cpu", init_scale=2.0**10, policy=policy)
+
+    def step(x, factor):
+        opt.zero_grad()
+        scaler.scale(m(x).sum() * factor).backward()
+        scaler.clip_grad_norm_(opt, 0.5)
+        scaler.step(opt)
+        scaler.update()
+
+    run = torch.compile(step) if compiled else step
+    scales, skipped = [], []
+    for i in range(6):
+        x = torch.rand(5, 4, generator=torch.Generator().manual_seed(i)) + 0.5
+        run(x, torch.tensor({2: INF, 4: float("nan")}.get(i, 1.0)))
+        scales.append(scaler.get_scale())
+        skipped.append(bool(scaler.last_step_skipped(opt)))
+    return scales, skipped, torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_compiled_clipped_step_skips_inf_and_nan_as_eager(fused):
+    """Inductor folds ``x * 0`` to 0: a clip that found an inf norm that way took the step and
+    wrote NaN into the parameters. Compiled, the clipped step skips the inf and NaN steps and
+    backs off as eager does; a fused optimizer's compiled clip traces (its step kind is a
+    constant of the graph)."""
+    eager = _clipped(fused, compiled=False)
+    comp = _clipped(fused, compiled=True)
+    assert comp[1] == eager[1] == [False, False, True, False, True, False]
+    assert comp[0] == eager[0] == [1024.0, 1024.0, 512.0, 512.0, 256.0, 256.0]
+    assert torch.isfinite(comp[2]).all()
+    torch.testing.assert_close(comp[2], eager[2])
+
+
+_SCRIPT_STEP = """
+def step(x):
+    opt.zero_grad()
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = (m(x) - x.sum(1, keepdim=True)).pow(2).mean()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+"""
+
+
+def test_a_compiled_headroom_step_does_not_recompile_every_update():
+    """policy="headroom" (measure_every=1) reads no host counter in a compiled step: no new
+    graph once the step has been compiled (a guard on a count would recompile at every update
+    until dynamo's recompile limit, then run eagerly). The step as a script writes it, with
+    the model, optimizer and scaler module globals (dynamo guards on globals' attributes)."""
+    compiled = []
+
+    def backend(gm, example_inputs):  # counts the graphs compiled
+        compiled.append(gm)
+        return gm.forward
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 1))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    scaler = ShardedGradScaler("cpu", init_scale=2.0**10, policy="headroom")
+    script = {"torch": torch, "m": m, "opt": opt, "scaler": scaler}
+    exec(_SCRIPT_STEP, script)
+    step = torch.compile(script["step"], backend=backend)
+    seen = []
+    for i in range(12):
+        step(torch.randn(32, 16, generator=torch.Generator().manual_seed(i)))
+        seen.append(len(compiled))
+    assert seen[-1] == seen[3], seen

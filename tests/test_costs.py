@@ -245,12 +245,13 @@ def _steady_clip_iteration(kind: str):
     return phases
 
 
-@pytest.mark.parametrize("kind,expected", [("sgd", (1, 22, 1, 6)), ("adamw_fused", (1, 20, 1, 6))])
+@pytest.mark.parametrize("kind,expected", [("sgd", (1, 24, 1, 6)), ("adamw_fused", (1, 22, 1, 6))])
 def test_a_clip_iteration_dispatches_few_aten_ops(kind, expected):
-    """scale, clip_grad_norm_(opt, 1.0), step, update on one process: 30 aten ops with SGD, 28
+    """scale, clip_grad_norm_(opt, 1.0), step, update on one process: 32 aten ops with SGD, 30
     with fused AdamW (torch's unscale_ + clip_grad_norm_ recipe: 18). The clip: 1/scale as
     torch's unscale_ (3), the per-tensor norms in one kernel, stacked, unscaled and normed (4),
-    torch's clip coefficient (4), the overflow and fold check (7), found_inf (1), and the write
+    torch's clip coefficient (4), the overflow and fold check (9: a non-finite norm found by a
+    comparison, which torch.compile keeps), found_inf (1), and the write
     pass (factor 2, one _foreach_mul_) or, fused, the folded grad_scale (1)."""
     phases = _steady_clip_iteration(kind)
     assert tuple(len(p) for p in phases) == expected, phases

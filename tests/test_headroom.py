@@ -212,6 +212,40 @@ def test_arguments_are_checked():
         ShardedGradScaler("cpu", policy="headroom", headroom_history=0)
     with pytest.raises(TypeError, match="measure_every"):
         ShardedGradScaler("cpu", policy="headroom", measure_every=1.5)
+    with pytest.raises(ValueError, match="dynamic=False"):
+        ShardedGradScaler("cpu", policy="headroom", dynamic=False)
+    with pytest.raises(ValueError, match="dynamic=False"):
+        ShardedGradScaler.guard(policy="headroom")
+    with pytest.warns(UserWarning, match="does not use growth_factor, growth_interval"):
+        ShardedGradScaler("cpu", policy="headroom", growth_factor=3.0, growth_interval=100)
+
+
+def test_a_checkpoint_that_changes_the_policy_says_so():
+    saved = ShardedGradScaler("cpu", policy="headroom")
+    _train(saved, 2)
+    plain = ShardedGradScaler("cpu")  # the default policy: taken from the checkpoint
+    with pytest.warns(UserWarning, match="policy='headroom' replaces this scaler's 'torch'"):
+        plain.load_state_dict(saved.state_dict())
+    assert plain.config.policy == "headroom"
+
+
+def test_a_collapse_at_the_floor_names_the_floor():
+    from shardscale import ScaleCollapseError
+
+    scaler = ShardedGradScaler("cpu", init_scale=4.0, policy="headroom")
+    with pytest.raises(ScaleCollapseError, match=r"sits at its floor 1 \(policy='headroom'"):
+        _train(scaler, 6, inf_at=range(6))
+
+
+def test_clip_after_update_without_scale_warns_as_step_does():
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    scaler = ShardedGradScaler("cpu")
+    scaler.scale(_loss(net, 0)).backward()
+    scaler.step(opt)
+    scaler.update()
+    with pytest.warns(RuntimeWarning, match="after update\\(\\) with no scale\\(\\) since"):
+        scaler.clip_grad_norm_(opt, 1.0)
 
 
 def test_fused_steps_read_the_host_only_to_poll_the_alarm():

@@ -56,6 +56,13 @@ def test_an_overflowing_step_has_negative_headroom(kind):
     assert n.groups[1].amax == pytest.approx(2.0)  # the other group is measured as it is
 
 
+@pytest.mark.parametrize("kind", ["sgd", "adamw_fused"])
+def test_a_nan_gradient_reads_as_an_overflow_too(kind):
+    """A NaN gives -inf headroom, as an inf does (not NaN: the smallest over groups holds)."""
+    n = _step(kind, values=[1.0, math.nan, 0.0, 0.0]).numerics()
+    assert n.groups[0].headroom_bits == -math.inf and n.headroom_bits == -math.inf
+
+
 def test_none_before_a_step_or_when_disabled():
     assert ShardedGradScaler("cpu").numerics() is None
     assert ShardedGradScaler("cpu", enabled=False).numerics() is None

@@ -334,6 +334,20 @@ def test_load_state_dict_mid_iteration_raises():
     scaler.load_state_dict(sd)  # fine at the boundary
 
 
+def test_copies_are_refused_once_scale_was_called():
+    """After scale() the gradients hold the scale in force: a copy would start without that
+    iteration (its step() would find gradients no scale() of its own scaled)."""
+    import copy
+    import pickle
+
+    scaler = ShardedGradScaler("cpu")
+    model = make_mlp()
+    scaler.scale(loss_at(model, 0, {})).backward()
+    for fn in (copy.deepcopy, copy.copy, pickle.dumps):
+        with pytest.raises(RuntimeError, match="iteration boundary"):
+            fn(scaler)
+
+
 # ------------------------------------------------------------------ 3. call order
 
 

@@ -1,4 +1,4 @@
-"""``python -m shardscale train|bench``."""
+"""``python -m shardscale train``."""
 
 import sys
 

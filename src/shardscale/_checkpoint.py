@@ -115,6 +115,13 @@ def parse_state_dict(
         for k in keep
         if k in state_dict and state_dict[k] != getattr(current, k)
     ]
+    if config.policy != current.policy:  # the whole rule changes: say so
+        warnings.warn(
+            f"load_state_dict(): the checkpoint's policy={config.policy!r} replaces this "
+            f"scaler's {current.policy!r} (the scale rule changes); pass policy="
+            f"{current.policy!r} to the constructor to keep it.",
+            stacklevel=3,
+        )
     if overridden:
         warnings.warn(
             "load_state_dict() keeps the policy the constructor asked for: "
@@ -201,10 +208,10 @@ class Picklable:
     process_group: Any
 
     def __getstate__(self) -> dict[str, Any]:
-        if self._it.started():
+        if self._it.started() or self._it.scaled_here:  # gradients hold the scale in force
             raise RuntimeError(
-                "A ShardedGradScaler may only be pickled at an iteration boundary (before scale() "
-                "or after update())."
+                "A ShardedGradScaler may only be pickled or copied at an iteration boundary "
+                "(before scale() or after update())."
             )
         state = self.__dict__.copy()
         numbers = self._loss_scale.read()[0] if self._enabled else self._loss_scale.numbers

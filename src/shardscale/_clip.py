@@ -362,9 +362,15 @@ def _zero(home: torch.device) -> torch.Tensor:
     return torch.zeros((), dtype=torch.float32, device=home)
 
 
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    """Whether ``x`` is finite (bool; False for inf and NaN), in a form ``torch.compile`` keeps:
+    inductor folds ``x * 0`` to 0, which would hide an inf or NaN."""
+    return x.abs() < math.inf
+
+
 def _inf_if_nonfinite(x: torch.Tensor) -> torch.Tensor:
-    """0 where ``x`` is finite, inf where it is inf or NaN (two ops, no host read)."""
-    return (x * 0).nan_to_num(nan=math.inf)
+    """0 where ``x`` is finite, inf where it is inf or NaN (no host read)."""
+    return torch.where(_finite(x), 0.0, math.inf)
 
 
 #: ``policy="headroom"``'s amax in the clip's SUM all-reduce (which cannot carry a MAX): a
@@ -518,7 +524,7 @@ def unscale_and_clip(
     # NaN where the total is not finite, so that the test below flags it too; otherwise coef.
     # (coef == 0, max_norm=0, is fine: a factor of 0, or a fused grad_scale of inf, zeroes the
     # gradients exactly)
-    checked = coef + total * 0
+    checked = torch.where(_finite(total), coef, math.nan)
     folded = scale / checked
     overflow = ~(folded < _FOLD_LIMIT) & (checked != 0)
     if fused:

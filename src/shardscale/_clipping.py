@@ -28,12 +28,14 @@ Reads the scaler's ``_it``, ``_calls``, ``_config``, ``_headroom``, ``_enabled``
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 from torch.amp.grad_scaler import OptState
 
 from . import _clip, _grads, _headroom, _join, _sync
+from ._iteration import STALE
 from ._protocol import is_optimizer, step_kind
 
 
@@ -66,8 +68,8 @@ class Clipping:
         buckets = _clip.bucket(params, group, self.rank_local_params, self._names)
         if self._calls.shadowing:
             buckets = {}  # a joined rank: no gradients of this iteration
-        elif buckets:
-            self._it.saw_gradients()
+        elif buckets and self._it.saw_gradients():
+            warnings.warn(STALE, RuntimeWarning, stacklevel=3)
         if group is not None:
             _join.check_order(self._join_config)
         if not self._enabled:

@@ -6,6 +6,7 @@ import dataclasses
 import math
 import numbers
 import struct
+import warnings
 from typing import Literal
 
 import torch
@@ -343,6 +344,8 @@ def settings(
     enabled = check_flag("enabled", enabled)
     fields = {k: v for k, v in policy.items() if v is not None or k == "max_consecutive_skips"}
     config = ScalerConfig(**fields)  # type: ignore[arg-type]
+    if config.policy == "headroom":
+        _check_headroom_args(config)
     if init_scale is None:  # not given: torch's default, inside the bounds asked for
         init = min(max(DEFAULT_INIT_SCALE, config.min_scale), config.max_scale)
     else:
@@ -355,6 +358,31 @@ def settings(
         )
     ]
     return Settings(kind, enabled, config, init, *flags)
+
+
+#: torch's rule's arguments, by their defaults: ``policy="headroom"`` does not use them
+_TORCH_RULE = {"growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
+
+
+def _check_headroom_args(config: ScalerConfig) -> None:
+    """A constructor's ``policy="headroom"`` with arguments it contradicts or does not use.
+
+    Raises:
+        ValueError: ``dynamic=False`` (``guard()``): the scale is fixed, there is no policy.
+    """
+    if not config.dynamic:
+        raise ValueError(
+            "policy='headroom' sets the scale from the measured gradients, and dynamic=False "
+            "(guard()) keeps it fixed: drop one of them."
+        )
+    unused = [k for k, default in _TORCH_RULE.items() if getattr(config, k) != default]
+    if unused:
+        warnings.warn(
+            f"policy='headroom' does not use {', '.join(unused)} (the scale follows the "
+            "measured gradient amax; an overflow backs off by powers of two): ignored.",
+            UserWarning,
+            stacklevel=4,
+        )
 
 
 def guard_kwargs(kwargs: dict[str, object]) -> dict[str, object]:

@@ -222,7 +222,8 @@ class Headroom:
         pending: 0-d float32, the MAX of this iteration's agreed amaxes (< 0: not measured),
             or None before the first check.
         world: the ranks the amax covers (product of the agreement groups' sizes).
-        updates: updates seen by this object (host count: ``measure_every``'s phase).
+        updates: updates seen by this object with ``measure_every`` > 1 (host count: its
+            phase).
     """
 
     def __init__(self, numbers: HeadroomNumbers | None = None) -> None:
@@ -233,19 +234,23 @@ class Headroom:
         self.updates = 0
 
     def due(self, config: ScalerConfig) -> bool:
-        """Whether a non-fused step of this iteration measures (every ``measure_every``-th)."""
-        return self.updates % config.measure_every == 0
+        """Whether a non-fused step of this iteration measures (every ``measure_every``-th).
+        With ``measure_every=1`` the count is not read (a compiled step would guard on it and
+        recompile at every update)."""
+        return config.measure_every == 1 or self.updates % config.measure_every == 0
 
     def note(self, amax: torch.Tensor, world: int) -> None:
         """An agreed amax of this iteration (0-d float32; < 0: not measured)."""
         self.pending = amax if self.pending is None else torch.maximum(self.pending, amax)
         self.world = world
 
-    def take(self, home: torch.device) -> torch.Tensor:
-        """The iteration's amax (-1.0: not measured), and a fresh iteration."""
+    def take(self, home: torch.device, config: ScalerConfig) -> torch.Tensor:
+        """The iteration's amax (-1.0: not measured), and a fresh iteration (counted for
+        ``measure_every`` > 1 only: see :meth:`due`)."""
         amax = self.pending
         self.pending = None
-        self.updates += 1
+        if config.measure_every != 1:
+            self.updates += 1
         if amax is None:
             return torch.full((), -1.0, dtype=torch.float32, device=home)
         return amax.to(home)
@@ -263,7 +268,7 @@ class Headroom:
         """``update()`` under ``policy="headroom"``: :func:`step_` with this iteration's amax;
         returns its ``(collapsed, old_scale)``."""
         home = state.scale.device
-        rule, amax = self.place(home, config), self.take(home)
+        rule, amax = self.place(home, config), self.take(home, config)
         return step_(state, rule, found_inf, amax, config, self.world)
 
     def forget(self) -> None:

@@ -40,7 +40,7 @@ class GroupNumerics:
         rank: the global rank measured.
         headroom_bits: ``log2(65504 / (amax * scale))``: how many doublings of the scale the
             largest scaled gradient had left before fp16 overflows (inf when every gradient is
-            0; negative: it overflowed).
+            0; negative, -inf for an inf or NaN: it overflowed).
         underflow: fraction of elements whose scaled value is zero or subnormal in fp16
             (``|g * scale| < 2**-14``), in [0, 1].
         grad_norm: the unscaled L2 norm of these local gradients.
@@ -197,7 +197,7 @@ def _figures(
     ``under``flowing count, ``factor`` times the stored values being the scaled ones."""
     top = amax * factor
     if math.isnan(top) or math.isinf(top):
-        headroom = -top  # NaN, or -inf: it overflowed
+        headroom = -math.inf  # it overflowed (an inf or a NaN)
     else:
         headroom = math.log2(FP16_MAX / top) if top > 0 else math.inf
     unscale = factor / scale

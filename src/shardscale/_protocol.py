@@ -36,9 +36,12 @@ def step_kind(optimizer: Any) -> str:
     ``grad_scaler=`` and unscales itself through these internals: :func:`takes_grad_scaler`)."""
     if not getattr(optimizer, "_step_supports_amp_scaling", False):
         return "plain"
-    known = _TAKES_GRAD_SCALER.get(type(optimizer))
-    if known is None:
-        known = takes_grad_scaler(type(optimizer))
+    if torch.compiler.is_compiling():  # a constant of the graph; no branch on the cache, which
+        known = takes_grad_scaler(type(optimizer))  # the trace itself fills (a re-trace after
+    else:  # a graph break would take the other branch: SpeculationLogDivergence)
+        known = _TAKES_GRAD_SCALER.get(type(optimizer))
+        if known is None:
+            known = takes_grad_scaler(type(optimizer))
     return "grad_scaler" if known else "fused"
 
 

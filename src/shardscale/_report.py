@@ -250,7 +250,7 @@ def collapse_error(
         "look for a NaN loss or input, a bad learning rate, an fp16 overflow in the forward "
         "pass (compute that op in fp32 or use bf16), or a log/div of zero."
     )
-    if config.max_consecutive_skips is not None and scale > round_f32(config.min_scale):
+    if config.max_consecutive_skips is not None and scale > round_f32(config.lowest):
         why = f"{config.max_consecutive_skips}+ consecutive skipped steps"
         # the scale may still be too high: e.g. a large init_scale backing off step by step
         cause = (
@@ -259,7 +259,12 @@ def collapse_error(
             "until it is low enough (lower init_scale or raise max_consecutive_skips); else "
         )
     else:
-        why = f"the loss scale sits at min_scale={config.min_scale:g} and gradients still overflow"
+        floor = (
+            f"its floor {config.lowest:g} (policy='headroom': max(min_scale, 1))"
+            if config.headroom
+            else f"min_scale={config.min_scale:g}"
+        )
+        why = f"the loss scale sits at {floor} and gradients still overflow"
         cause = "The NaN/inf does not come from the scale: "
     where = ", ".join(
         f"{e.name} on rank {e.rank} ({e.n_inf} inf, {e.n_nan} NaN)" for e in entries
