@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+from _optim import SelfUnscaling
 from torch.amp.grad_scaler import OptState
 
 from shardscale import ShardedGradScaler
@@ -24,30 +25,6 @@ def test_it_is_a_grad_scaler_and_overrides_every_public_method():
     assert public and not inherited, inherited
 
 
-class _SelfUnscaling(torch.optim.SGD):
-    """An optimizer that takes ``grad_scaler=`` and unscales itself through the scaler's
-    internals, as apex's DistributedFusedAdam does: it reads the per-optimizer record, checks
-    the gradients with ``_check_inf_per_device``, writes ``found_inf_per_device`` and divides by
-    ``_scale``."""
-
-    def __init__(self, params):
-        super().__init__(params, lr=0.5)
-        self._step_supports_amp_scaling = True
-
-    def step(self, closure=None, *, grad_scaler=None):
-        state = grad_scaler._per_optimizer_states[id(self)]
-        if state["stage"] is OptState.READY:
-            found = grad_scaler._check_inf_per_device(self)
-        else:
-            found = grad_scaler._found_inf_per_device(self)
-        if sum(v.item() for v in found.values()):
-            return "skipped"
-        scale = grad_scaler._get_scale_async() if state["stage"] is OptState.READY else 1.0
-        with torch.no_grad():
-            for p in self.param_groups[0]["params"]:
-                p.grad.div_(scale)
-        super().step()
-        return "stepped"
 
 
 @pytest.mark.parametrize("explicit_unscale", [False, True])
@@ -56,7 +33,7 @@ def test_an_optimizer_taking_grad_scaler_gets_the_scaler_and_steps_as_with_torch
     for make in (ShardedGradScaler, torch.amp.GradScaler):
         torch.manual_seed(0)
         w = torch.nn.Parameter(torch.randn(4))
-        opt = _SelfUnscaling([w])
+        opt = SelfUnscaling([w])
         scaler = make("cpu", init_scale=8.0, growth_interval=2)
         out = []
         for i in range(5):

@@ -16,8 +16,8 @@ import math
 import pytest
 import torch
 from _dist import run_ranks
+from _optim import SelfUnscaling
 from test_costs import HostReads
-from torch.amp.grad_scaler import OptState
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -183,34 +183,10 @@ def _no_wraps(fn):
     return wrapper
 
 
-class _SelfUnscaling(torch.optim.SGD):
-    """torch's ``step(closure=None, *, grad_scaler=None)`` protocol (apex-style): it checks and
-    unscales through the scaler's internals and skips by itself."""
-
-    def __init__(self, params):
-        super().__init__(params, lr=0.5)
-        self._step_supports_amp_scaling = True
-
-    def step(self, closure=None, *, grad_scaler=None):
-        if grad_scaler is None:
-            raise AssertionError("the scaler did not pass itself: scaled gradients and inf applied")
-        state = grad_scaler._per_optimizer_states[id(self)]
-        if state["stage"] is OptState.READY:
-            found = grad_scaler._check_inf_per_device(self)
-        else:
-            found = grad_scaler._found_inf_per_device(self)
-        if sum(v.item() for v in found.values()):
-            return "skipped"
-        scale = grad_scaler._get_scale_async() if state["stage"] is OptState.READY else 1.0
-        with torch.no_grad():
-            for p in self.param_groups[0]["params"]:
-                p.grad.div_(scale)
-        super().step()
-        return "stepped"
 
 
-class _Decorated(_SelfUnscaling):
-    step = _no_wraps(_SelfUnscaling.step)
+class _Decorated(SelfUnscaling):
+    step = _no_wraps(SelfUnscaling.step)
 
 
 def _profiled(opt):
@@ -221,9 +197,9 @@ def _profiled(opt):
 
 
 _WRAPPED = {
-    "plain": lambda ps: _SelfUnscaling(ps),
+    "plain": lambda ps: SelfUnscaling(ps),
     "class_decorated": lambda ps: _Decorated(ps),
-    "instance_wrapped": lambda ps: _profiled(_SelfUnscaling(ps)),
+    "instance_wrapped": lambda ps: _profiled(SelfUnscaling(ps)),
     "both": lambda ps: _profiled(_Decorated(ps)),
 }
 
@@ -248,7 +224,7 @@ def test_a_wrapped_grad_scaler_optimizer_still_gets_the_scaler(how):
     opt = _WRAPPED[how](_model().parameters())
     assert step_kind(opt) == "grad_scaler"
     ours, w_ours = _grad_scaler_run(_WRAPPED[how])
-    theirs, w_theirs = _grad_scaler_run(_SelfUnscaling, torch.amp.GradScaler)
+    theirs, w_theirs = _grad_scaler_run(SelfUnscaling, torch.amp.GradScaler)
     assert ours == theirs and ours[4] == "skipped" and ours.count("stepped") == 4
     _close(w_ours, w_theirs, rtol=0, atol=0)
     assert all(torch.isfinite(w).all() for w in w_ours)
