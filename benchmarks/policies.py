@@ -43,7 +43,9 @@ TEXT = os.path.join(sysconfig.get_paths()["stdlib"], "LICENSE.txt")
 
 
 def _cfg(task: str, steps: int, seed: int) -> TrainConfig:
-    cfg = TrainConfig(parallel="none", steps=steps, seed=seed, text=TEXT if task == "text" else None)
+    cfg = TrainConfig(
+        parallel="none", steps=steps, seed=seed, text=TEXT if task == "text" else None
+    )
     cfg.hidden, cfg.nproc = (128 if task == "text" else 256), 1
     if task == "text":
         cfg.batch_size = 32
@@ -239,7 +241,9 @@ def cost_table(rows: list[dict]) -> str:
 
 def table(rows: list[dict]) -> str:
     """The markdown table of ``rows`` (time as a ratio to torch gi2000 of the same row)."""
-    base = {(r["task"], r["opt"], r["init_e"]): r["step_s"] for r in rows if r["scaler"] == SCALERS[0]}
+    base = {
+        (r["task"], r["opt"], r["init_e"]): r["step_s"] for r in rows if r["scaler"] == SCALERS[0]
+    }
     lines = [
         "| task | AdamW | scaler | init | skips 1-20 / after | step to 2**10 | mean log2 scale "
         "| underflow | test loss | test acc | time/step |",

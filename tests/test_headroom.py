@@ -26,14 +26,13 @@ def _state(scale: float, history: int = 3, hysteresis: int = 1) -> tuple[ScaleSt
     )
 
 
-def _run_rule(config, scale, steps, world=1):
+def _run_rule(config, scale, steps, world=1, measured=False):
     """``steps``: (found_inf, scaled amax) pairs; the scales after each update."""
     state, rule = _state(scale, config.headroom_history, config.hysteresis)
     out = []
     for found, amax in steps:
-        state, rule, _ = next_state(
-            state, rule, torch.tensor(float(found)), torch.tensor(float(amax)), config, world
-        )
+        found, amax = torch.tensor(float(found)), torch.tensor(float(amax))
+        state, rule, _ = next_state(state, rule, found, amax, config, world, measured)
         out.append(state.scale.item())
     return out, state, rule
 
@@ -67,6 +66,16 @@ def test_the_rule_margin_grows_with_the_ranks_and_an_empty_history_keeps_the_sca
     assert one == [2.0**9] and four == [2.0**7]  # margin 3 + log2(4)
     wide = ScalerConfig(policy="headroom", headroom_margin=0.0, max_scale=2.0**11)
     assert _run_rule(wide, 1.0, [(0, 1e-3)])[0] == [2.0**11]  # bounded by max_scale
+
+
+def test_the_rule_from_a_scale_not_a_power_of_two_and_with_all_zero_gradients():
+    config = ScalerConfig(policy="headroom", headroom_history=2)
+    # an overflow at 1000: the pseudo entry's target, the largest power of two below 1000;
+    # the second in a row: 2 bits down
+    assert _run_rule(config, 1000.0, [(1, INF), (1, INF)])[0] == [512.0, 128.0]
+    # measured all-zero gradients push empty slots: the history empties, the scale stays
+    scales, _, rule = _run_rule(config, 1.0, [(0, 10.0), (0, 0.0), (0, 0.0)], measured=True)
+    assert scales == [2.0**9] * 3 and rule.history.tolist() == [0.0, 0.0]
 
 
 def test_the_rule_with_hysteresis_and_the_floor_and_the_collapse_guard():

@@ -419,7 +419,12 @@ TORCH_RULE = {"growth_interval": 100}
 NUMERICS_RUNS: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any], bool]] = {
     "headroom_policy": ({"policy": "headroom"}, {}, {}, False),
     "asked": (TORCH_RULE, {"log_numerics": True, "prefix": "s/"}, {}, False),
-    "fused_accumulating": (TORCH_RULE, {"log_numerics": True}, {"accumulate_grad_batches": 2}, True),
+    "fused_accumulating": (
+        TORCH_RULE,
+        {"log_numerics": True},
+        {"accumulate_grad_batches": 2},
+        True,
+    ),
     "headroom_policy_off": ({"policy": "headroom"}, {"log_numerics": False}, {}, False),
     "default_off": (TORCH_RULE, {}, {}, False),
 }

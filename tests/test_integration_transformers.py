@@ -183,7 +183,10 @@ def _numerics_run(out: Path, name: str, **kw: Any) -> dict[str, Any]:
             g = torch.cat([p.grad.reshape(-1) for p in trainer.model.parameters()]).double().abs()
             top = float(g.max()) * self.scale
             headroom = math.log2(65504 / top) if math.isfinite(top) else -top
-            hand[state.global_step + 1] = [headroom, float((g * self.scale < 2**-14).double().mean())]
+            hand[state.global_step + 1] = [
+                headroom,
+                float((g * self.scale < 2**-14).double().mean()),
+            ]
 
     trainer = Trainer(
         model=_model(tiny=True), args=args, train_dataset=_data(n), callbacks=[callback, Probe()]

@@ -21,10 +21,10 @@ def test_it_is_a_grad_scaler_and_overrides_every_public_method():
     s = ShardedGradScaler("cpu")
     assert isinstance(s, torch.amp.GradScaler)
     public = [n for n in vars(torch.amp.GradScaler) if not n.startswith("_")]
-    inherited = [n for n in public if getattr(ShardedGradScaler, n) is getattr(torch.amp.GradScaler, n)]
+    inherited = [
+        n for n in public if getattr(ShardedGradScaler, n) is getattr(torch.amp.GradScaler, n)
+    ]
     assert public and not inherited, inherited
-
-
 
 
 @pytest.mark.parametrize("explicit_unscale", [False, True])

@@ -183,8 +183,6 @@ def _no_wraps(fn):
     return wrapper
 
 
-
-
 class _Decorated(SelfUnscaling):
     step = _no_wraps(SelfUnscaling.step)
 

@@ -9,7 +9,6 @@ only) at steps 4 and 9, growth every 3 clean steps.
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,10 +19,9 @@ import torch
 from shardscale import ShardedGradScaler
 from shardscale.train import checkpoint, cli, config, data, loop, model, report
 
-ENTRY = [
-    shutil.which("shardscale") or sys.executable,
-    *([] if shutil.which("shardscale") else ["-m", "shardscale"]),
-]
+# the console script of the interpreter running the tests (not another one on PATH)
+_SCRIPT = Path(sys.executable).parent / "shardscale"
+ENTRY = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "shardscale"]
 STEPS = 12
 MAIN = [
     "--steps",

@@ -40,12 +40,12 @@ class Alarm:
     ) -> None:
         """Record ``steps`` (0-d: ``update()`` calls so far, this one included) and ``scale``
         if ``collapsed`` (0-d bool; None: no collapse was possible) and no collapse is recorded
-        yet: 6 tensor operations."""
+        yet: 5 tensor operations (both slots are < 0 until one is recorded)."""
         if collapsed is None:
             return
-        first = collapsed & (self.collapse[0] < 0)
-        record = torch.stack([steps.to(self.collapse.dtype), scale.to(self.collapse.dtype)])
-        self.collapse.copy_(torch.where(first, record, self.collapse))
+        c = self.collapse
+        record = torch.stack([steps.to(c.dtype), scale.to(c.dtype)])
+        torch.where(collapsed & (c < 0), record, c, out=c)
 
     def note_mismatch(
         self, bad: torch.Tensor, agreed: torch.Tensor, step: torch.Tensor, check: int

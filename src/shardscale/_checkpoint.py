@@ -74,6 +74,8 @@ def to_state_dict(
 
 #: shardscale's own policy fields: a value the constructor asked for wins over a checkpoint's.
 GUARD_KEYS = CONFIG_KEYS[3:]
+
+
 def asked(config: ScalerConfig) -> frozenset[str]:
     """The guard fields ``config`` sets away from their defaults: they win over a checkpoint's
     in ``load_state_dict`` (a guard asked for is never switched off by a resume)."""

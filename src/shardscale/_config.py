@@ -271,10 +271,21 @@ class ScalerConfig:
         check_int("measure_every", self.measure_every, 1, INT32_MAX)
         # Store normalised floats (ints are accepted for the float fields).
         # Store plain Python numbers (NumPy scalars and 1-element tensors are accepted).
-        for name in ("growth_factor", "backoff_factor", "min_scale", "max_scale", "headroom_margin"):
+        for name in (
+            "growth_factor",
+            "backoff_factor",
+            "min_scale",
+            "max_scale",
+            "headroom_margin",
+        ):
             object.__setattr__(self, name, check_real(name, getattr(self, name)))
-        for name in ("growth_interval", "hysteresis", "max_consecutive_skips", "headroom_history",
-                     "measure_every"):
+        for name in (
+            "growth_interval",
+            "hysteresis",
+            "max_consecutive_skips",
+            "headroom_history",
+            "measure_every",
+        ):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, int(getattr(self, name)))
 

@@ -342,8 +342,9 @@ def peak(grads: list[torch.Tensor]) -> torch.Tensor:
     tensor (~1.5x)."""
     if grads[0].device.type != "cpu":
         return torch.stack(torch._foreach_norm(grads, math.inf)).max().float()
-    lows, highs = zip(*(torch.aminmax(g) for g in grads), strict=True)
-    return torch.maximum(torch.stack(highs).max(), -torch.stack(lows).min()).float()
+    # max(|max g|, |min g|) over the tensors is max |g|: one stack of both, abs, max
+    ends = [end for g in grads for end in torch.aminmax(g)]
+    return torch.stack(ends).abs().max().float()
 
 
 def measure_and_check(
@@ -364,7 +365,7 @@ def measure_and_check(
         buckets: from :func:`bucket_grads`.
         inv_scale: 0-d float32 (any device); unused when ``check_only``.
         amax: filled with ``{device: 0-d float32}``, the largest |scaled gradient| there
-            (inf when any is inf or NaN).
+            (inf when any is inf; NaN, or inf when ``check_only``, when any is NaN).
         check_only: only check (the gradients are left as they are).
 
     Returns:
@@ -376,10 +377,10 @@ def measure_and_check(
         for device, per_dtype in buckets.items():
             peaks = [peak(grads) for grads in per_dtype.values()]
             top = peaks[0] if len(peaks) == 1 else torch.stack(peaks).max()
-            top = torch.nan_to_num(top, nan=math.inf, posinf=math.inf)
-            if check_only:
+            if check_only:  # NaN read as inf: the flag, and the agreement's MAX, see it
+                top = torch.nan_to_num(top, nan=math.inf, posinf=math.inf)
                 flag = (top == math.inf).float()
-            else:
+            else:  # a NaN amax comes with torch's flag: an overflow, which ignores the amax
                 flag = torch.zeros((), dtype=torch.float32, device=device)
                 inv = inv_scale if inv_scale.device == device else to_device(inv_scale, device)
                 for grads in per_dtype.values():

@@ -5,16 +5,18 @@ the whole group (``amax``: each rank's from its check pass, agreed by MAX in the
 all-reduce, :func:`shardscale._sync.agree`). The rule (evidence and sources:
 ``docs/headroom.md``)::
 
-    u    = amax / scale                        # unscaled; exact: the scale is a power of two
-    hist = the last H pushed entries            # H = headroom_history (50)
+    u    = amax / scale                        # unscaled (exact for a power-of-two scale)
+    hist = the last H entries                   # H = headroom_history (50)
     m    = headroom_margin + log2(world)        # 3 bits + log2 of the agreement groups' size
-    clean, measured:  push u (if u > 0)
-    clean:            e' = floor(log2(65504 / max(hist)) - m)   # no growth limit; may go down
+    measured:         push u                    # 0 (all-zero gradients): an empty slot
+    clean:            s' = 2**floor(log2(65504 / max(hist)) - m)  # no growth limit; may go down
                       (empty history: the scale stays)
     k-th backoff in a row (an overflow the hysteresis does not absorb):
-                      e' = e - 2**(k-1)         # x0.5, x0.25, x1/16, ...
-                      push 65504 * 2**-(e+m) * 1.0001: max(hist) keeps e' <= e-1 for H steps
-    scale = 2**e', clamped to [max(min_scale, 1), max_scale]
+                      push 65504 * 2**-m * 1.0001 / scale   # a pseudo entry: the target of
+                                                # max(hist) is below the scale for H updates
+                      s' = min(target of max(hist), scale * 2**-(2**(k-1)))  (k >= 2)
+                      # x0.5 (the pseudo entry's target), x0.25, x1/16, ... for a power of two
+    scale = s', clamped to the powers of two in [max(min_scale, 1), max_scale]
 
 Everything here is small tensor code on the scale's device, no host read, the same on every
 rank given the same agreed inputs (so every rank computes the same scale): :func:`step_` in
@@ -30,10 +32,13 @@ import math
 import torch
 
 from ._config import ScalerConfig
-from ._policy import ScaleState, count_, math_dtype
+from ._policy import ScaleState, count_
 
 #: fp16's largest finite value.
 FP16_MAX = 65504.0
+#: Backoffs in a row are counted up to this many: the k-th goes 2**(k-1) bits down, and
+#: after 7 in a row the scale has dropped 127 bits (to the floor).
+MAX_RUN = 7
 #: An overflow's pseudo entry is this much above the amax whose target is one exponent below
 #: the overflowing one, so that ``floor`` lands on ``e - 1`` despite rounding (1e-4 relative
 #: >> float32's 6e-8).
@@ -64,11 +69,17 @@ class HeadroomState:
         history: 1-d float32 of length ``headroom_history``: the last entries (unscaled amaxes
             and overflows' pseudo entries), oldest first, the newest last; 0.0 marks an empty
             slot (before the oldest entry).
-        backoffs: 0-d int32, backoffs in a row (reset by a clean step).
+        backoffs: 0-d int64, backoffs in a row (reset by a clean step; at most
+            :data:`MAX_RUN`).
+        limits: 1-d float32 of length ``MAX_RUN + 1``, a constant: the factor bounding the
+            scale after the k-th backoff in a row, ``limits[k]``: inf for none (a clean step),
+            1 for the first (the pseudo entry's target already lies below the scale), then
+            ``2**-(2**(k-1))``.
     """
 
     history: torch.Tensor
     backoffs: torch.Tensor
+    limits: torch.Tensor
 
     @classmethod
     def create(
@@ -77,9 +88,11 @@ class HeadroomState:
         """A state on ``device`` holding the last ``length`` of ``entries`` (oldest first)."""
         kept = list(entries)[-length:] if length else []
         values = [0.0] * (length - len(kept)) + kept
+        limits = [math.inf, 1.0] + [2.0 ** -(2 ** (k - 1)) for k in range(2, MAX_RUN + 1)]
         return cls(
             history=torch.tensor(values, dtype=torch.float32).to(device),
-            backoffs=torch.full((), backoffs, dtype=torch.int32, device=device),
+            backoffs=torch.full((), min(backoffs, MAX_RUN), dtype=torch.int64, device=device),
+            limits=torch.tensor(limits, dtype=torch.float32).to(device),
         )
 
     def clone(self) -> HeadroomState:
@@ -112,10 +125,14 @@ def step_(
     amax: torch.Tensor,
     config: ScalerConfig,
     world: int = 1,
+    measured: bool = False,
+    unit: torch.Tensor | None = None,
+    binary: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One update of ``policy="headroom"`` (module docstring), in place: ``state``'s scale,
-    trackers and counters and ``rule``'s history. Tensor ops only, no host read: about 50
-    small ones (the margin's constants folded on the host; the history a shift register).
+    trackers and counters and ``rule``'s history. Tensor ops only, no host read: 36 small
+    ones with the defaults (the margin's constants folded on the host, the history a shift
+    register, the k-th backoff's factor looked up in :attr:`HeadroomState.limits`).
 
     The hysteresis is :func:`shardscale._policy.step_`'s: an overflow it absorbs keeps the
     scale (no entry pushed); the growth tracker counts clean steps since the scale last rose or
@@ -129,54 +146,53 @@ def step_(
             ranks (any value < 0: not measured; ignored after an overflow).
         config: the policy (``config.headroom``).
         world: the ranks the amax covers (:func:`margin_bits`), a host constant.
+        measured: the host knows that ``amax >= 0`` (or NaN/inf with an overflow): the
+            entry is pushed without testing it (an amax of 0 pushes an empty slot).
+        unit: a 0-d float32 1.0 on the state's device (the counters' constant), or None.
+        binary: ``found_inf`` is 0 or 1 (one optimizer's agreed flag), not a count.
 
     Returns:
         ``(collapsed, old_scale)``: 0-d bool (a backoff due at or below ``config.lowest``, or
         ``max_consecutive_skips`` reached) and a 0-d copy of the scale before the update.
     """
-    scale, gt, ht = state.scale, state.growth_tracker, state.hysteresis_tracker
-    dtype = math_dtype(scale.device)
-    margin = margin_bits(config, world)
+    scale, gt, ht, k = state.scale, state.growth_tracker, state.hysteresis_tracker, rule.backoffs
     lo_e, hi_e = exponent_range(config)
-    overflow = found_inf > 0
-    old = scale.clone()
-    e = torch.frexp(old)[1] - 1  # floor(log2(scale)), exactly: 0-d int32
     simple = config.hysteresis == 1 and not config.consecutive_hysteresis
+    old = scale.clone()
+    overflow = found_inf > 0
+    # backoffs in a row (saturating at MAX_RUN: the table's last factor) and the entry: an
+    # overflow's pseudo entry PSEUDO / scale puts the history's target below the scale
+    pseudo = FP16_MAX * PSEUDO_SLACK * 2.0 ** -margin_bits(config, world)
     if simple:
-        backoff_due, ht_after = overflow, ht
-        rule.backoffs.add_(1).mul_(overflow)
+        backoff_due, absorbed = overflow, None
+        k.add_(1).clamp_max_(MAX_RUN).mul_(overflow)
+        entry = amax.masked_fill(overflow, pseudo) / old
     else:
         ht_after = torch.where(overflow, (ht - 1).clamp_min(0), ht)
         backoff_due = overflow & (ht_after == 0)
-        rule.backoffs.copy_(torch.where(backoff_due, rule.backoffs + 1, rule.backoffs * overflow))
-    # the k-th backoff in a row goes 2**(k-1) bits down (used only when one is due: k >= 1)
-    e_back = e - torch.exp2(rule.backoffs - 1)
-    # an overflow's pseudo entry, FP16_MAX * PSEUDO_SLACK * 2**-(e + margin) (float32)
-    pseudo = torch.exp2(math.log2(FP16_MAX * PSEUDO_SLACK) - margin - e)
-    u = amax / old  # float32
-    if simple:
-        entry = torch.where(overflow, pseudo, u)
-    else:  # an absorbed overflow pushes nothing (0)
-        entry = torch.where(backoff_due, pseudo, torch.where(overflow, 0.0, u))
-    push = (entry > 0) & (entry < math.inf)  # not an unmeasured (-1), inf or NaN amax
+        absorbed = overflow & ~backoff_due
+        k.copy_(torch.where(backoff_due, (k + 1).clamp_max(MAX_RUN), k * overflow))
+        entry = amax.masked_fill(overflow, 0.0).masked_fill_(backoff_due, pseudo) / old
     history = rule.history
     shifted = torch.cat([history[1:], entry.reshape(1)])
-    history.copy_(torch.where(push, shifted, history))
-    peak = history.max().to(dtype)
-    known = peak > 0
-    target = torch.floor((math.log2(FP16_MAX) - margin) - torch.log2(peak))
-    e_new = torch.where(overflow, e_back, target).clamp_(lo_e, hi_e)
-    if simple:
-        keep = ~(overflow | known)  # nothing known yet
-    else:  # absorbed, or nothing known yet
-        keep = (overflow & ~backoff_due) | ~(overflow | known)
-    scale.copy_(torch.where(keep, old, torch.exp2(e_new)).clamp_(config.lowest, config.max_scale))
-    grew = scale > old
+    history.copy_(shifted if measured else torch.where(entry > 0, shifted, history))
+    peak = history.max()
+    # float32: an integer boundary within its rounding (~4e-6 bits) is a coin toss either way
+    top = math.log2(FP16_MAX) - margin_bits(config, world)
+    target = torch.exp2(torch.floor(top - torch.log2(peak)))
+    new = torch.minimum(target, old * rule.limits.gather(0, k.view(1)).view(())).clamp_(
+        2.0**lo_e, 2.0**hi_e
+    )
+    if 2.0**hi_e > config.max_scale:  # no power of two in [lowest, max_scale]
+        new.clamp_(config.lowest, config.max_scale)
+    known = peak > 0  # an empty history keeps the scale
+    scale.copy_(torch.where(known if simple else known & ~absorbed, new, old))
+    grew, shrank = scale > old, scale < old
     gt.add_(1).clamp_max_(config.growth_interval - 1).masked_fill_(overflow | grew, 0)
     if not simple:
         refill = (grew | ~overflow) if config.consecutive_hysteresis else grew
         ht.copy_(torch.where(refill, config.hysteresis, ht_after))
-    count_(state.counters, found_inf, old, scale)
+    count_(state.counters, found_inf, shrank, grew, unit, binary)
     collapsed = backoff_due & (old <= config.lowest)
     if config.max_consecutive_skips is not None:
         collapsed = collapsed | (state.counters[2] >= config.max_consecutive_skips)
@@ -190,16 +206,15 @@ def next_state(
     amax: torch.Tensor,
     config: ScalerConfig,
     world: int = 1,
+    measured: bool = False,
 ) -> tuple[ScaleState, HeadroomState, torch.Tensor]:
     """:func:`step_` on copies: pure. Returns ``(new_state, new_rule, collapsed)``."""
     new, new_rule = state.clone(), rule.clone()
-    collapsed, _ = step_(new, new_rule, found_inf, amax, config, world)
+    collapsed, _ = step_(new, new_rule, found_inf, amax, config, world, measured)
     return new, new_rule, collapsed
 
 
-def local_amax(
-    amaxes: dict[torch.device, torch.Tensor], home: torch.device
-) -> torch.Tensor:
+def local_amax(amaxes: dict[torch.device, torch.Tensor], home: torch.device) -> torch.Tensor:
     """The MAX of per-device 0-d amaxes (:func:`shardscale._grads.measure_and_check`) as one
     0-d float32 on ``home``; 0.0 when there is none (a rank holding no gradient)."""
     own = amaxes.get(home)
@@ -263,13 +278,19 @@ class Headroom:
         return None
 
     def update_(
-        self, state: ScaleState, found_inf: torch.Tensor, config: ScalerConfig
+        self,
+        state: ScaleState,
+        found_inf: torch.Tensor,
+        config: ScalerConfig,
+        unit: torch.Tensor | None = None,
+        binary: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``update()`` under ``policy="headroom"``: :func:`step_` with this iteration's amax;
-        returns its ``(collapsed, old_scale)``."""
+        """``update()`` under ``policy="headroom"``: :func:`step_` with this iteration's amax
+        (``unit``, ``binary``: as there); returns its ``(collapsed, old_scale)``."""
         home = state.scale.device
+        measured = self.pending is not None
         rule, amax = self.place(home, config), self.take(home, config)
-        return step_(state, rule, found_inf, amax, config, self.world)
+        return step_(state, rule, found_inf, amax, config, self.world, measured, unit, binary)
 
     def forget(self) -> None:
         """The iteration was abandoned: its amax is dropped."""

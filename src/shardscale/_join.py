@@ -159,4 +159,3 @@ class JoinableScaler:
             groups = _sync.resolve_groups(self.process_group)
             state, headroom = self._loss_scale.tensors, self._headroom
             idle_iteration(state, self._config, self._alarm, groups, headroom)
-

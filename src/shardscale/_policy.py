@@ -224,7 +224,7 @@ class LossScale:
         old = state.scale.clone()
         state.scale.fill_(value)
         if found_inf is not None:
-            count_(state.counters, found_inf, old, state.scale)
+            count_(state.counters, found_inf, state.scale < old, state.scale > old)
         return old
 
     def read(self, extra: torch.Tensor | None = None) -> tuple[Numbers, float]:
@@ -298,7 +298,7 @@ def step_(
             refill = (grew | ~overflow) if config.consecutive_hysteresis else grew
             ht.copy_(torch.where(refill, config.hysteresis, ht_after))
             scale.copy_(torch.where(overflow & ~backoff_due, old, scale))  # absorbed: kept
-    count_(state.counters, found_inf, old, scale)
+    count_(state.counters, found_inf, scale < old, scale > old)
     # float32 comparison: min_scale is rounded to the scale's dtype, as the clamp rounds it
     collapsed = backoff_due & (old <= config.min_scale)
     if config.max_consecutive_skips is not None:
@@ -345,15 +345,21 @@ def next_state(
 
 
 def count_(
-    counters: torch.Tensor, found_inf: torch.Tensor, scale: torch.Tensor, new_scale: torch.Tensor
+    counters: torch.Tensor,
+    found_inf: torch.Tensor,
+    shrank: torch.Tensor,
+    grew: torch.Tensor,
+    unit: torch.Tensor | None = None,
+    binary: bool = False,
 ) -> None:
-    """Advance the counters by one update, in place (7 device ops, one ``addcmul``:
+    """Advance the counters by one update, in place (3-5 device ops, one ``addcmul``:
     ``counters * keep + increments``): steps, skips, consecutive skips (``keep`` 0 after a
-    clean step: reset), overflows, and a backoff/growth when ``new_scale`` is below or above
-    ``scale``."""
-    one = torch.ones_like(found_inf)
-    over = found_inf.clamp(max=1.0)
-    inc = torch.stack([one, over, over, found_inf, new_scale < scale, new_scale > scale])
+    clean step: reset), overflows, and a backoff/growth when ``shrank``/``grew`` (0-d bool:
+    the scale went down/up). ``unit``: a 0-d float32 1.0 there (None: made); ``binary``:
+    ``found_inf`` is 0 or 1."""
+    one = torch.ones_like(found_inf) if unit is None else unit
+    over = found_inf if binary else found_inf.clamp(max=1.0)
+    inc = torch.stack([one, over, over, found_inf, shrank, grew])
     keep = torch.stack([one, one, over, one, one, one])
     torch.addcmul(inc, counters, keep, out=counters)
 

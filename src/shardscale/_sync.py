@@ -245,7 +245,9 @@ def policy_values(config: Any) -> tuple[float, ...]:
     return tuple(out)
 
 
-def _tail(check: int, scaled: bool, policy: tuple[float, ...], device: torch.device) -> torch.Tensor:
+def _tail(
+    check: int, scaled: bool, policy: tuple[float, ...], device: torch.device
+) -> torch.Tensor:
     """``[check, -check, scaled, 0 (error), -1 (amax), p1, -p1, ...]`` on ``device``: made once per key
     (a host-to-device copy the first time only), then reused as it is (read-only)."""
     key = (check, scaled, policy, device)

@@ -269,7 +269,11 @@ class ShardedGradScaler(
             if state["stage"] is OptState.READY:
                 self._unscale(optimizer, state)
             elif state.get("grad_scale") is not None:  # a clip folded for a fused inner optimizer
-                self._unscale_grads_(optimizer, _grads.inv_scale(state.pop("grad_scale"), self._loss_scale.math), None)
+                self._unscale_grads_(
+                    optimizer,
+                    _grads.inv_scale(state.pop("grad_scale"), self._loss_scale.math),
+                    None,
+                )
             retval = self._plain_step(optimizer, state, args, kwargs)
         elif kind == "grad_scaler":
             retval = self._grad_scaler_step(optimizer, state, args, kwargs)
@@ -330,7 +334,8 @@ class ShardedGradScaler(
             self._headroom.forget()
         else:
             if config.headroom:
-                collapsed, old = self._headroom.update_(state, found_inf, config)
+                unit = self._loss_scale.unit
+                collapsed, old = self._headroom.update_(state, found_inf, config, unit, binary)
             else:
                 unit = self._loss_scale.unit if bounds.free(config) else None
                 collapsed, old = step_(state, found_inf, config, unit, binary)
