@@ -322,6 +322,7 @@ for cid, value, exc, match in [
     ("tensor_requires_grad", T(2.0, requires_grad=True), ValueError, "requires_grad"),
     ("tensor_meta", torch.ones((), device="meta"), ValueError, "meta device"),
 ]:
+    match += ".*update\\(\\) changed nothing"  # and the fix: the iteration is still open
     case(f"update-new_scale_{cid}", "stepped", lambda s, m, o, v=value: s.update(v), exc, match)
 
 # ------------------------------------------------------------ getters/setters
@@ -699,3 +700,13 @@ def test_overlapping_views_are_refused_and_strided_views_are_not() -> None:
         results.append([p.detach().clone() for p in params])
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
+
+
+def test_the_swapped_factors_hint_comes_only_when_they_look_swapped():
+    # torch's FSDP ShardedGradScaler(device, init_scale, backoff_factor, growth_factor, ...)
+    with pytest.raises(ValueError, match="look swapped"):
+        ShardedGradScaler("cpu", 2.0**16, 0.5, 2.0)
+    for kw in ({"backoff_factor": 0.0}, {"growth_factor": 1.0}):
+        with pytest.raises(ValueError) as err:
+            ShardedGradScaler("cpu", **kw)
+        assert "swapped" not in str(err.value), kw

@@ -236,6 +236,29 @@ def test_a_checkpoint_that_changes_the_policy_says_so():
     with pytest.warns(UserWarning, match="policy='headroom' replaces this scaler's 'torch'"):
         plain.load_state_dict(saved.state_dict())
     assert plain.config.policy == "headroom"
+    kept = ShardedGradScaler("cpu", policy="torch")  # named: kept over the checkpoint's
+    with pytest.warns(UserWarning, match=r"keeps the policy.*policy='torch'"):
+        kept.load_state_dict(saved.state_dict())
+    assert kept.config.policy == "torch" and kept.get_scale() == saved.get_scale()
+
+
+def test_no_scale_below_the_floor_of_1_enters():
+    with pytest.raises(ValueError, match=r"init_scale=0.5 lies below policy='headroom''s floor"):
+        ShardedGradScaler("cpu", init_scale=0.5, policy="headroom")
+    scaler = ShardedGradScaler("cpu", policy="headroom")
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    scaler.scale(_loss(net, 0)).backward()
+    scaler.step(opt)
+    with pytest.raises(ValueError, match=r"floor max\(min_scale, 1\) = 1.*changed nothing"):
+        scaler.update(0.3)
+    scaler.update(3.0)  # a scale that is not a power of two is allowed
+    assert scaler.get_scale() == 3.0
+    # a torch checkpoint below 1 is clamped to the floor, and says so
+    theirs = torch.amp.GradScaler("cpu", init_scale=0.25)
+    with pytest.warns(UserWarning, match=r"scale'\]=0.25 .*loaded as 1.0"):
+        scaler.load_state_dict(theirs.state_dict())
+    assert scaler.get_scale() == 1.0
 
 
 def test_a_collapse_at_the_floor_names_the_floor():

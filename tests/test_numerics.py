@@ -96,6 +96,19 @@ def test_none_once_the_next_iteration_scaled():
     assert scaler.numerics() is None
 
 
+def test_none_once_the_gradients_are_zeroed():
+    """After zero_grad() nothing is left to measure: None, not an infinite headroom."""
+    w = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.SGD([w], lr=0.0)
+    scaler = ShardedGradScaler("cpu", init_scale=1024.0)
+    scaler.scale(w.sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.numerics().as_dict()["headroom_bits"] == pytest.approx(16 - 10, abs=0.01)
+    opt.zero_grad()
+    assert scaler.numerics() is None
+
+
 def test_a_module_without_fsdp_units_keeps_the_group_names():
     model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
     scaler = ShardedGradScaler("cpu", init_scale=8.0, param_names=model)

@@ -73,6 +73,7 @@ def _differ(rank: int, world_size: int) -> dict:
         "init_scale": ({"init_scale": 2.0**16}, {"init_scale": 2.0**8}),
         "growth_interval": ({"growth_interval": 2000}, {"growth_interval": 100}),
         "hysteresis": ({}, {"hysteresis": 2}),
+        "policy": ({}, {"policy": "headroom"}),
     }
     for name, kwargs in cases.items():
         for fused in (False, True):
@@ -102,7 +103,9 @@ def test_ranks_with_different_scales_or_policies_raise_before_any_parameter_chan
         "growth_interval-True": "growth_interval 100..2000",
         "hysteresis-False": "hysteresis 1..2",
         "hysteresis-True": "hysteresis 1..2",
-        "guard": "dynamic 0..1",
+        "policy-False": "policy 'torch'..'headroom'",
+        "policy-True": "policy 'torch'..'headroom'",
+        "guard": "dynamic False..True",
     }
     for name, what in expected.items():
         for res in (r0[name], r1[name]):

@@ -11,7 +11,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from ._alarm import Schedule
-from ._config import INT32_MAX, INT64_MAX, POLICY_FIELDS, ScalerConfig, check_real, check_scale
+from ._config import (
+    INT32_MAX,
+    INT64_MAX,
+    POLICY_FIELDS,
+    ScalerConfig,
+    check_policy_scale,
+    check_real,
+)
 from ._headroom import Headroom, HeadroomNumbers
 from ._iteration import Iteration
 from ._join import CallLog
@@ -76,11 +83,13 @@ def to_state_dict(
 GUARD_KEYS = CONFIG_KEYS[3:]
 
 
-def asked(config: ScalerConfig) -> frozenset[str]:
-    """The guard fields ``config`` sets away from their defaults: they win over a checkpoint's
-    in ``load_state_dict`` (a guard asked for is never switched off by a resume)."""
+def asked(config: ScalerConfig, named: tuple[str, ...] = ()) -> frozenset[str]:
+    """The guard fields ``config`` sets away from their defaults, and those ``named`` (given
+    explicitly to the constructor): they win over a checkpoint's in ``load_state_dict`` (a
+    guard asked for is never switched off by a resume)."""
     defaults = ScalerConfig()
-    return frozenset(k for k in GUARD_KEYS if getattr(config, k) != getattr(defaults, k))
+    changed = {k for k in GUARD_KEYS if getattr(config, k) != getattr(defaults, k)}
+    return frozenset(changed | set(named))
 
 
 #: The top-level keys shardscale's state dict has beyond torch's (``_counters`` is a dict).
@@ -137,16 +146,17 @@ def parse_state_dict(
         # scale can pass 2**127, and it can back off below 2**-126. Such a state is valid for
         # torch: load it with the scale clamped into this scaler's bounds, and say so.
         value = check_real("state_dict['scale']", raw_scale)
-        if value >= 0 and not config.min_scale <= value <= config.max_scale:  # 0: backed off to 0
-            clamped = min(max(value, config.min_scale), config.max_scale)
+        lo = config.lowest  # policy="headroom": max(min_scale, 1)
+        if value >= 0 and not lo <= value <= config.max_scale:  # 0: backed off to 0
+            clamped = min(max(value, lo), config.max_scale)
             what = "the bounds kept" if overridden else "a torch.amp.GradScaler state"
             warnings.warn(
-                f"state_dict['scale']={value} ({what}) lies outside [min_scale, max_scale] = "
-                f"[{config.min_scale}, {config.max_scale}]; loaded as {clamped}.",
+                f"state_dict['scale']={value} ({what}) lies outside the policy's bounds "
+                f"[{lo}, {config.max_scale}]; loaded as {clamped}.",
                 stacklevel=3,
             )
             raw_scale = clamped
-    scale = check_scale("state_dict['scale']", raw_scale, config.min_scale, config.max_scale)
+    scale = check_policy_scale("state_dict['scale']", raw_scale, config)
     tracker = _nonneg_int("_growth_tracker", state_dict["_growth_tracker"], INT32_MAX)
     tracker = min(tracker, config.growth_interval - 1)  # past the interval: grow at the next step
     hyst = _nonneg_int(

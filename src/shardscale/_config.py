@@ -76,10 +76,7 @@ def check_growth_factor(value: object) -> float:
     """Validate ``growth_factor`` (> 1). Raises TypeError/ValueError naming the argument."""
     v = check_real("growth_factor", value)
     if v <= 1.0:
-        raise ValueError(
-            f"growth_factor must be > 1.0, got {v}. (torch's FSDP ShardedGradScaler takes "
-            "backoff_factor before growth_factor positionally; pass both by keyword.)"
-        )
+        raise ValueError(f"growth_factor must be > 1.0, got {v}.{_swapped(0.0 < v < 1.0)}")
     return v
 
 
@@ -87,11 +84,18 @@ def check_backoff_factor(value: object) -> float:
     """Validate ``backoff_factor`` (in the open interval (0, 1))."""
     v = check_real("backoff_factor", value)
     if not 0.0 < v < 1.0:
-        raise ValueError(
-            f"backoff_factor must be in (0, 1), got {v}. (torch's FSDP ShardedGradScaler takes "
-            "backoff_factor before growth_factor positionally; pass both by keyword.)"
-        )
+        raise ValueError(f"backoff_factor must be in (0, 1), got {v}.{_swapped(v > 1.0)}")
     return v
+
+
+def _swapped(likely: bool) -> str:
+    """The hint for a growth and a backoff factor that look swapped."""
+    if not likely:
+        return ""
+    return (
+        " (The factors look swapped: torch's FSDP ShardedGradScaler takes backoff_factor "
+        "before growth_factor positionally; pass both by keyword.)"
+    )
 
 
 def check_growth_interval(value: object) -> int:
@@ -360,7 +364,7 @@ def settings(
     if init_scale is None:  # not given: torch's default, inside the bounds asked for
         init = min(max(DEFAULT_INIT_SCALE, config.min_scale), config.max_scale)
     else:
-        init = check_scale("init_scale", init_scale, config.min_scale, config.max_scale)
+        init = check_policy_scale("init_scale", init_scale, config)
     flags = [
         check_flag(name, flag)
         for name, flag in (
@@ -411,9 +415,33 @@ def guard_kwargs(kwargs: dict[str, object]) -> dict[str, object]:
     return {"init_scale": 1.0, **kwargs, "dynamic": False}
 
 
+def check_policy_scale(name: str, value: object, config: ScalerConfig) -> float:
+    """:func:`check_scale` inside ``config``'s bounds, and at or above ``policy="headroom"``'s
+    floor ``max(min_scale, 1)`` (:attr:`ScalerConfig.lowest`)."""
+    v = check_scale(name, value, config.min_scale, config.max_scale)
+    if config.headroom and v < config.lowest:
+        raise ValueError(
+            f"{name}={v} lies below policy='headroom''s floor max(min_scale, 1) = "
+            f"{config.lowest:g}: it keeps the scale >= 1, so that unscaling never enlarges a "
+            "gradient (no second check of the unscaled values); pass a value >= "
+            f"{config.lowest:g}."
+        )
+    return v
+
+
 def check_new_scale(new_scale: object, config: ScalerConfig) -> float:
     """``update(new_scale)``'s value: a float, or a 1-element float tensor (read once), finite
-    and inside ``config``'s bounds. Raises TypeError/ValueError naming the fix."""
+    and inside ``config``'s bounds (:func:`check_policy_scale`). Raises TypeError/ValueError
+    naming the fix, and that nothing changed."""
+    try:
+        return _new_scale(new_scale, config)
+    except (TypeError, ValueError) as e:
+        raise type(e)(
+            f"{e} update() changed nothing: the iteration is still open (call update() again)."
+        ) from None
+
+
+def _new_scale(new_scale: object, config: ScalerConfig) -> float:
     if isinstance(new_scale, torch.Tensor):
         if (
             new_scale.numel() != 1
@@ -428,7 +456,7 @@ def check_new_scale(new_scale: object, config: ScalerConfig) -> float:
                 f"{new_scale.device}, requires_grad={new_scale.requires_grad}."
             )
         new_scale = float(new_scale.item())
-    return check_scale("new_scale", new_scale, config.min_scale, config.max_scale)
+    return check_policy_scale("new_scale", new_scale, config)
 
 
 def check_device(device: object) -> torch.device:

@@ -231,18 +231,31 @@ ERRORS = {
 _TAILS: dict[tuple[Any, ...], torch.Tensor] = {}
 
 
+#: The policy fields that are names, as the agreement vector codes them (their index).
+_CODES = {"on_collapse": ("raise", "warn"), "policy": ("torch", "headroom")}
+
+
 def policy_values(config: Any) -> tuple[float, ...]:
-    """``config``'s :data:`POLICY` fields as floats (None -> -1, ``on_collapse`` "warn" -> 1,
-    ``policy`` "headroom" -> 1)."""
+    """``config``'s :data:`POLICY` fields as floats (None -> -1, a name -> its index in
+    ``_CODES``, a bool -> 0/1)."""
     out = []
     for name in POLICY:
         value = getattr(config, name)
-        if name == "on_collapse":
-            value = value == "warn"
-        elif name == "policy":
-            value = value == "headroom"
+        if name in _CODES:
+            value = _CODES[name].index(value)
         out.append(-1.0 if value is None else float(value))
     return tuple(out)
+
+
+def _shown(name: str, value: float) -> str:
+    """A policy field's value as the user wrote it (``policy_values`` reversed)."""
+    if name in _CODES and value in (0.0, 1.0):
+        return repr(_CODES[name][int(value)])
+    if name in ("consecutive_hysteresis", "dynamic") and value in (0.0, 1.0):
+        return str(bool(value))
+    if name == "max_consecutive_skips" and value == -1.0:
+        return "None"
+    return f"{value:g}"
 
 
 def _tail(
@@ -365,7 +378,7 @@ def _differences(values: Sequence[float]) -> list[str]:
     for i, name in enumerate(POLICY):
         hi, lo = values[AMAX + 1 + 2 * i], -values[AMAX + 2 + 2 * i]
         if hi != lo:
-            out.append(f"{name} {lo:g}..{hi:g}")
+            out.append(f"{name} {_shown(name, lo)}..{_shown(name, hi)}")
     return out
 
 

@@ -85,8 +85,9 @@ class ShardedGradScaler(
         on_collapse, dynamic: the policy beyond torch's, see :class:`ScalerConfig`.
         policy, headroom_margin, headroom_history, measure_every: ``policy="headroom"`` sets the
             scale from the measured gradient amax, agreed in the same all-reduce
-            (:class:`ScalerConfig`, ``docs/headroom.md``); ``"torch"`` (default) is torch's
-            rule, bit for bit.
+            (:class:`ScalerConfig`, ``docs/headroom.md``); ``"torch"`` is torch's rule, bit
+            for bit. ``None`` (default): ``"torch"``, or the policy of a checkpoint loaded
+            later; a policy named here is kept over a checkpoint's.
         report_overflows: if True, ``update()`` reads the agreed flag (one host read per
             iteration) and logs every rank's :class:`OverflowReport` once (on rank 0) as a
             warning on the ``"shardscale"`` logger after each overflowing iteration (one scan
@@ -117,7 +118,7 @@ class ShardedGradScaler(
         max_consecutive_skips: int | None = None,
         on_collapse: str = "raise",
         dynamic: bool = True,
-        policy: str = "torch",
+        policy: str | None = None,
         headroom_margin: float = 3.0,
         headroom_history: int = 50,
         measure_every: int = 1,
@@ -156,7 +157,7 @@ class ShardedGradScaler(
         self.rank_local_params = args.rank_local_params
         self._report_overflows = args.report_overflows
         #: the policy fields set away from their defaults: kept over a checkpoint's
-        self._asked = _checkpoint.asked(args.config)
+        self._asked = _checkpoint.asked(args.config, named=("policy",) if policy else ())
         Joinable.__init__(self)
 
     @classmethod
@@ -530,7 +531,8 @@ class ShardedGradScaler(
         unscaled norm and amax (:class:`~shardscale.Numerics`; headline figures in its
         ``as_dict()``; per FSDP unit where a group spans several). Call it after ``update()``
         and before ``zero_grad()``; None before the first ``update()``, after the next
-        ``scale()`` or when disabled.
+        ``scale()``, when no gradient is left to measure (after ``zero_grad()``, or a rank
+        that holds none with ``all_ranks=False``) or when disabled.
 
         Measured on the gradients as they are (one pass and one host read per group; nothing
         in the training step). ``all_ranks=False``: this rank's local gradients (shards), no
@@ -545,6 +547,8 @@ class ShardedGradScaler(
         groups = [] if self._calls.shadowing else _numerics.measure(pairs, scale, rank, self._names)
         if all_ranks:
             groups = _sync.gather_objects(groups, _sync.resolve_groups(self.process_group))
+        if not groups:  # nothing left to measure: no figures rather than an infinite headroom
+            return None
         return Numerics(last.index, scale, tuple(sorted(groups, key=lambda g: (g.rank, g.name))))
 
     # torch's getters and setters: in _protocol.TorchInternals

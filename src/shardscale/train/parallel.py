@@ -102,7 +102,8 @@ def make_scaler(cfg: TrainConfig, device: torch.device) -> Any:
                 init_scale=cfg.init_scale,
                 growth_interval=cfg.growth_interval,
                 max_consecutive_skips=cfg.max_consecutive_skips,
-                policy=cfg.policy,
+                # the default follows a resumed checkpoint's policy, as before --policy existed
+                policy=None if cfg.policy == "torch" else cfg.policy,
             )
         return ShardedGradScaler.guard(max_consecutive_skips=cfg.max_consecutive_skips)
     if cfg.precision != "fp16":
