@@ -460,3 +460,12 @@ def test_update_compiles_with_fullgraph_and_matches_eager():
             step()
         assert compiled.state_dict() == eager.state_dict()
     assert compiled.get_scale() > 2.0**8
+
+
+def test_the_other_policys_arguments_warn_that_they_are_unused():
+    with pytest.warns(UserWarning, match="policy='torch' does not use headroom_margin"):
+        ShardedGradScaler("cpu", policy="torch", headroom_margin=5.0)
+    scaler = ShardedGradScaler("cpu", policy="headroom")
+    with pytest.warns(UserWarning, match=r"set_growth_factor\(\): policy='headroom' does not use"):
+        scaler.set_growth_factor(3.0)
+    assert scaler.get_growth_factor() == 3.0  # stored, as torch's setter stores it

@@ -270,6 +270,14 @@ def test_place_creates_the_state_before_the_first_scale_and_is_idempotent():
     assert s.scale(torch.ones(())).item() == 64.0
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch or machine without CUDA")
+def test_place_on_a_device_torch_cannot_use_says_so_and_changes_nothing():
+    s = ShardedGradScaler("cpu")
+    with pytest.raises(RuntimeError, match=r"place\('cuda'\): torch cannot create tensors"):
+        s.place("cuda")
+    assert s._get_scale_async() is None and s.scale(torch.ones(())).item() == 2.0**16
+
+
 # ------------------------------------------------------------- a user-set grad_scale
 @pytest.mark.parametrize("path", ["step", "unscale_", "clip_grad_norm_"])
 def test_a_user_set_grad_scale_of_a_fused_optimizer_is_honoured_on_every_path(path):

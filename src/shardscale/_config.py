@@ -361,6 +361,8 @@ def settings(
     config = ScalerConfig(**fields)  # type: ignore[arg-type]
     if config.policy == "headroom":
         _check_headroom_args(config)
+    else:
+        _check_torch_args(config)
     if init_scale is None:  # not given: torch's default, inside the bounds asked for
         init = min(max(DEFAULT_INIT_SCALE, config.min_scale), config.max_scale)
     else:
@@ -377,6 +379,37 @@ def settings(
 
 #: torch's rule's arguments, by their defaults: ``policy="headroom"`` does not use them
 _TORCH_RULE = {"growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
+
+
+#: ``policy="headroom"``'s arguments, by their defaults: torch's rule does not use them
+_HEADROOM_RULE = {
+    "headroom_margin": HEADROOM_MARGIN,
+    "headroom_history": HEADROOM_HISTORY,
+    "measure_every": 1,
+}
+
+
+def _check_torch_args(config: ScalerConfig) -> None:
+    """A constructor's torch rule with ``policy="headroom"``'s arguments: a warning."""
+    unused = [k for k, default in _HEADROOM_RULE.items() if getattr(config, k) != default]
+    if unused:
+        warnings.warn(
+            f"policy={config.policy!r} does not use {', '.join(unused)} (they set "
+            "policy='headroom'): ignored unless a checkpoint loaded later switches the policy.",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
+def warn_unused_setter(config: ScalerConfig, name: str) -> None:
+    """A setter of torch's rule (``set_growth_factor`` ...) under ``policy="headroom"``."""
+    if config.headroom:
+        warnings.warn(
+            f"set_{name}(): policy='headroom' does not use {name} (the scale follows the "
+            "measured gradient amax): stored, ignored.",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _check_headroom_args(config: ScalerConfig) -> None:
@@ -465,10 +498,18 @@ def check_device(device: object) -> torch.device:
     Raises:
         TypeError: not a str or ``torch.device``.
         ValueError: the meta device.
+        RuntimeError: a device torch cannot create tensors on here (e.g. CUDA without it).
     """
     if not isinstance(device, (str, torch.device)):
         raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}.")
     device = torch.device(device)
     if device.type == "meta":
         raise ValueError("place() needs a device with data, got the meta device.")
+    try:
+        torch.empty(0, device=device)
+    except (AssertionError, RuntimeError) as e:  # e.g. torch built without CUDA
+        raise RuntimeError(
+            f"place({str(device)!r}): torch cannot create tensors there ({e}); pass a device "
+            "this machine and torch build have."
+        ) from e
     return device

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ._config import warn_unused_setter
 from ._grads import (
     SharedMemoryGradError,
     bucket_grads,
@@ -222,6 +223,7 @@ class TorchInternals:
     def set_growth_factor(self, new_factor: float) -> None:
         """Set the growth factor (> 1). Raises TypeError/ValueError, leaving it unchanged."""
         self._config = self._config.with_growth_factor(new_factor)
+        warn_unused_setter(self._config, "growth_factor")
 
     def get_backoff_factor(self) -> float:
         """The backoff factor (a Python float)."""
@@ -230,6 +232,7 @@ class TorchInternals:
     def set_backoff_factor(self, new_factor: float) -> None:
         """Set the backoff factor (in (0, 1)). Raises TypeError/ValueError, leaving it unchanged."""
         self._config = self._config.with_backoff_factor(new_factor)
+        warn_unused_setter(self._config, "backoff_factor")
 
     def get_growth_interval(self) -> int:
         """The growth interval (a Python int)."""
@@ -240,6 +243,7 @@ class TorchInternals:
         Clean steps beyond the new interval: the next clean step grows (the rule's >=)."""
         self._config = self._config.with_growth_interval(new_interval)
         self._loss_scale.cap_growth_tracker(self._config.growth_interval - 1)
+        warn_unused_setter(self._config, "growth_interval")
 
     def is_enabled(self) -> bool:
         """Whether scaling is enabled."""

@@ -376,6 +376,8 @@ class ShardedGradScaler(
         Raises:
             TypeError: ``device`` is not a str or ``torch.device``.
             ValueError: the meta device (no data).
+            RuntimeError: a device torch cannot create tensors on here (e.g. ``"cuda"`` on a
+                CPU-only build).
         """
         device = check_device(device)
         if self._loss_scale.tensors is None:
