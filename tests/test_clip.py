@@ -121,6 +121,29 @@ def test_matches_torch_recipe_low_precision(dtype):
         torch.testing.assert_close(pa.grad, e, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("p", [2.0, 1.0, math.inf, 3.0])
+def test_large_fp16_gradients_norm_in_fp32_pieces(p):
+    """fp16 gradients of every layout the norm cuts or converts (a large contiguous one in
+    pieces, a large transposed one, small ones): the fp32-precise norm of the scaled values."""
+    torch.manual_seed(0)
+    shapes = [(2**19 + 3,), (300, 200), (5,), (40, 7)]
+    params = [torch.nn.Parameter(torch.zeros(s, dtype=torch.float16)) for s in shapes]
+    params[1] = torch.nn.Parameter(torch.zeros(200, 300, dtype=torch.float16).t())
+    opt = torch.optim.SGD(params, lr=1.0)
+    scaler = ShardedGradScaler("cpu", init_scale=2.0**10)
+    scaler.scale(torch.zeros((), dtype=torch.float16))  # creates the scale
+    for q in params:
+        q.grad = (torch.randn(q.shape) * 2.0**12).to(torch.float16)  # scaled; norm past 65504
+    params[1].grad = params[1].grad.t().contiguous().t()  # a transposed layout
+    ref = torch.linalg.vector_norm(
+        torch.cat([q.grad.double().reshape(-1) for q in params]) / 2.0**10, p
+    )
+    norm = scaler.clip_grad_norm_(opt, 1e9, norm_type=p)
+    # fp32 precision (p = 3: a sum of cubes in fp32, as torch's kernels take it)
+    torch.testing.assert_close(norm.double(), ref, rtol=1e-5 if p != 3.0 else 1e-4, atol=0)
+    assert _found(scaler, opt) == 0.0
+
+
 def test_scaled_fp16_norm_does_not_overflow():
     """Scaled fp16 grads whose norm exceeds fp16's max (65504) are not an overflow."""
     p = torch.nn.Parameter(torch.zeros(4096, dtype=torch.float16))
