@@ -132,11 +132,13 @@ def _costs_two_ranks(rank: int, world_size: int) -> dict:
             r.count = 0
             with r, CommDebugMode() as c:
                 scaler.scale(loss).backward()
-                scaler.step(opt)
+                with AtenOps() as a:
+                    scaler.step(opt)
                 scaler.update()
             reads.append(r.count)
             comms.append(c.get_total_counts())
         out[kind] = (reads, comms)
+        out[kind + " ops"] = len(a.names)
     return out
 
 
@@ -147,6 +149,10 @@ def test_two_ranks_one_all_reduce_and_the_same_reads(tmp_path):
     for result in run_ranks(_costs_two_ranks, tmp_path):
         assert result["sgd"] == ([2] + [1] * 4, [1] * 5)
         assert result["adam_fused"] == ([1] + [0] * 4, [1] * 5)
+        # step(): the 1-process ops (6 / 3) and the agreement's 21: 9 to build its vector
+        # (views included), the all-reduce, 4 to find a mismatch, 4 for the flag and whether
+        # any rank scaled, 3 into the alarm
+        assert (result["sgd ops"], result["adam_fused ops"]) == (27, 24), result
 
 
 def _largest_allocation(fn) -> int:

@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 
 from ._policy import math_dtype
-from ._sync import LENGTH, mismatch_message
+from ._sync import LENGTH, mismatch_message, mismatched
 
-# slots of the mismatch record: seen, the agreement vector, own step and check
-_SEEN, _AGREED, _OWN_STEP, _OWN_CHECK = 0, 1, LENGTH + 1, LENGTH + 2
+# slots of the mismatch record: the agreement vector, own step and check
+_AGREED, _OWN_STEP, _OWN_CHECK = 0, LENGTH, LENGTH + 1
 
 
 class Alarm:
@@ -26,14 +26,16 @@ class Alarm:
             ``update()`` calls after the first collapse (-1 if none) and the scale the
             collapsing step used. (Not two 0-d tensors: ``torch.compile``'s AOT backends drop
             writes into 0-d float64 inputs.)
-        mismatch: 1-d, same dtype: 1 if the ranks disagreed, that agreement vector
-            (:func:`shardscale._sync.agree`), this rank's step count and check ordinal then.
+        mismatch: 1-d, same dtype: the last agreement vector that showed the ranks
+            disagreeing (:func:`shardscale._sync.agree`; zeros, which agree, until then), this
+            rank's step count and check ordinal then.
     """
 
     def __init__(self, device: torch.device) -> None:
         dtype = math_dtype(device)
         self.collapse = torch.full((2,), -1.0, dtype=dtype, device=device)
         self.mismatch = torch.zeros(_OWN_CHECK + 1, dtype=dtype, device=device)
+        self._checks: dict[int, torch.Tensor] = {}  # each check ordinal as a 1-element tensor
 
     def note_collapse(
         self, collapsed: torch.Tensor | None, steps: torch.Tensor, scale: torch.Tensor
@@ -50,18 +52,16 @@ class Alarm:
     def note_mismatch(
         self, bad: torch.Tensor, agreed: torch.Tensor, step: torch.Tensor, check: int
     ) -> None:
-        """Record the agreement vector ``agreed`` if ``bad`` (0-d bool) and it is the first."""
-        m = self.mismatch
-        first = bad & (m[_SEEN] == 0)
-        record = torch.cat(
-            [
-                m.new_ones(1),
-                agreed.to(m.dtype),
-                step.to(m.dtype).reshape(1),
-                m.new_full((1,), check),
-            ]
-        )
-        m.copy_(torch.where(first, record, m))
+        """Record the agreement vector ``agreed`` with this rank's ``step`` (0-d, the counters'
+        dtype) and ``check`` if ``bad`` (0-d bool): the last mismatch is kept (3 tensor
+        operations)."""
+        m = self._checks.get(check)
+        if m is None:
+            m = self._checks[check] = torch.full(
+                (1,), check, dtype=self.mismatch.dtype, device=self.mismatch.device
+            )
+        record = torch.cat([agreed, step.reshape(1), m])
+        torch.where(bad, record, self.mismatch, out=self.mismatch)
 
     def read(self, rank: int, scale_now: torch.Tensor) -> tuple[tuple[int, float] | None, float]:
         """Read the alarm and ``scale_now`` (one host read): ``(step, scale)`` of a recorded
@@ -79,7 +79,7 @@ class Alarm:
             ]
         ).tolist()
         step, scale, now, mismatch = values[0], values[1], values[2], values[3:]
-        if mismatch[_SEEN]:
+        if mismatched(mismatch[_AGREED:_OWN_STEP]):
             own_step, own_check = int(mismatch[_OWN_STEP]), int(mismatch[_OWN_CHECK])
             raise RuntimeError(
                 mismatch_message(mismatch[_AGREED:_OWN_STEP], own_step, own_check, rank)

@@ -215,20 +215,26 @@ def all_reduce(
     return tensor
 
 
-#: Slots of the agreement vector (see :func:`agree`); :data:`POLICY` pairs follow ``AMAX``
-#: (the largest |scaled gradient| of the ranks that measured it, ``policy="headroom"``; -1: none).
-FOUND, STEP, NEG_STEP, CHECK, NEG_CHECK, SCALED, ERROR, SCALE, NEG_SCALE, AMAX = range(10)
 #: The policy fields compared across ranks (``ScalerConfig`` attribute names), in order.
 POLICY = POLICY_FIELDS
+#: Slots of the agreement vector (see :func:`agree`): three taken as they come, then the
+#: compared fields twice, as themselves from ``POS`` and negated from ``NEG`` (in the same
+#: order: step, scale, check, error, the policy's; error's negated slot holds 0). After a MAX,
+#: the ranks agree on a field iff ``max(x) + max(-x) == 0``: one add over the two blocks.
+FOUND, AMAX, SCALED = 0, 1, 2
+POS = 3
+STEP, SCALE, CHECK, ERROR = range(POS, POS + 4)
+NEG = POS + 4 + len(POLICY)
+NEG_STEP, NEG_SCALE, NEG_CHECK = range(NEG, NEG + 3)
 #: Length of the agreement vector.
-LENGTH = AMAX + 1 + 2 * len(POLICY)
+LENGTH = NEG + (NEG - POS)
 #: What a rank that fails a call-order check tells the others (:func:`poison`), by code.
 ERRORS = {
     1: "called unscale_()/step() again for an optimizer before update()",
     2: "called update() with no optimizer stepped or unscaled",
     3: "called unscale_() after step() for an optimizer",
 }
-_TAILS: dict[tuple[Any, ...], torch.Tensor] = {}
+_CONSTANTS: dict[tuple[Any, ...], tuple[torch.Tensor, ...]] = {}
 
 
 #: The policy fields that are names, as the agreement vector codes them (their index).
@@ -258,20 +264,24 @@ def _shown(name: str, value: float) -> str:
     return f"{value:g}"
 
 
-def _tail(
-    check: int, scaled: bool, policy: tuple[float, ...], device: torch.device
-) -> torch.Tensor:
-    """``[check, -check, scaled, 0 (error), -1 (amax), p1, -p1, ...]`` on ``device``: made once per key
-    (a host-to-device copy the first time only), then reused as it is (read-only)."""
-    key = (check, scaled, policy, device)
-    tail = _TAILS.get(key)
-    if tail is None:
-        if len(_TAILS) > 256:
-            _TAILS.clear()
-        values = [float(check), -float(check), float(scaled), 0.0, -1.0]
-        values += [v for p in policy for v in (p, -p)]
-        tail = _TAILS[key] = torch.tensor(values, dtype=torch.float32, device=device)
-    return tail
+def _constants(
+    check: int, scaled: bool, policy: tuple[float, ...], device: torch.device, amax: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The agreement vector's constant pieces on ``device``: ``[(-1: no amax,) scaled]``,
+    ``[check, 0 (error), *policy]`` and ``[-check, 0, *-policy]``; made once per key (a
+    host-to-device copy the first time only), then reused as they are (read-only)."""
+    key = (check, scaled, policy, device, amax)
+    pieces = _CONSTANTS.get(key)
+    if pieces is None:
+        if len(_CONSTANTS) > 256:
+            _CONSTANTS.clear()
+        first = [float(scaled)] if amax else [-1.0, float(scaled)]
+        pos = [float(check), 0.0, *policy]
+        neg = [-float(check), 0.0, *(-v for v in policy)]
+        pieces = _CONSTANTS[key] = tuple(
+            torch.tensor(v, dtype=torch.float32, device=device) for v in (first, pos, neg)
+        )
+    return pieces  # type: ignore[return-value]
 
 
 def agree(
@@ -287,32 +297,30 @@ def agree(
     amax: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The found-inf agreement: ONE MAX all-reduce (per group) of :data:`LENGTH` float32 values
-    on ``found_inf``'s device: ``[found_inf, step, -step, check, -check, scaled, error, scale,
-    -scale, amax]`` and each policy field with its negation. ``amax`` (0-d float32, this
-    rank's largest |scaled gradient|; None: not measured, -1 from the cached tail) comes out as
-    the group's largest: ``policy="headroom"``'s measurement at no extra collective.
+    on ``found_inf``'s device: ``[found_inf, amax, scaled, step, scale, check, error,
+    *policy, -step, -scale, -check, 0, *-policy]``. ``amax`` (0-d float32, this rank's largest
+    |scaled gradient|; None: not measured, -1) comes out as the group's largest:
+    ``policy="headroom"``'s measurement at no extra collective.
 
     ``step`` (0-d: the scaler's update count), ``check`` (the ordinal of this check within the
     iteration), ``scale`` (0-d, the loss scale the gradients were computed with) and ``policy``
     (:func:`policy_values`) ride along, so that ranks which call the scaler differently, hold
     different scales (one restored a checkpoint) or were built with different arguments are
-    told apart from an overflow: after MAX, ``x_max != -(-x)_max`` means the ranks disagree on
-    ``x`` (:func:`mismatch`); ``scaled`` (whether this rank called ``scale()`` in the iteration)
-    tells an idle rank that others did; ``error`` is 0 but from :func:`poison`. ``call``
-    names the scaler call in the error of a collective that fails (:func:`all_reduce`).
+    told apart from an overflow: after MAX, ``x_max + (-x)_max != 0`` means the ranks disagree
+    on ``x`` (:func:`mismatch`); ``scaled`` (whether this rank called ``scale()`` in the
+    iteration) tells an idle rank that others did; ``error`` is 0 but from :func:`poison`.
+    ``call`` names the scaler call in the error of a collective that fails
+    (:func:`all_reduce`). 9 tensor operations (views included) besides the all-reduce.
     """
     step32 = (step % 2**24).to(torch.float32).reshape(())
     scale32 = scale.to(device=found_inf.device, dtype=torch.float32).reshape(())
-    head = torch.stack([found_inf.reshape(()), step32, -step32])
-    tail = _tail(check, scaled, policy, found_inf.device)
+    first, pos, neg = _constants(check, scaled, policy, found_inf.device, amax is not None)
     if error:
-        tail = tail.clone()
-        tail[ERROR - CHECK] = error
-    if amax is None:
-        middle, rest = torch.stack([scale32, -scale32]), tail[4:]
-    else:
-        middle, rest = torch.stack([scale32, -scale32, amax.reshape(()).float()]), tail[5:]
-    vector = torch.cat([head, tail[:4], middle, rest])
+        pos = pos.clone()
+        pos[ERROR - CHECK] = error
+    moving = torch.stack([step32, scale32])
+    head = [found_inf.reshape(1)] + ([] if amax is None else [amax.reshape(1).float()])
+    vector = torch.cat([*head, first, moving, pos, -moving, neg])
     return all_reduce(vector, groups, call=(call, step))
 
 
@@ -332,7 +340,7 @@ def agreement(
     whether they disagree (0-d bool, :func:`mismatch`) and the agreement vector."""
     vector = agree(found_inf, step, check, scaled, groups, scale, policy, call=call, amax=amax)
     bad = mismatch(vector)
-    return torch.maximum(vector[FOUND], bad.float()), vector[SCALED] > 0, bad, vector
+    return torch.maximum(vector[FOUND], bad), vector[SCALED] > 0, bad, vector
 
 
 def poison(
@@ -351,23 +359,15 @@ def poison(
     agree(flag, step, check, False, groups, scale, policy, code * 4096 + rank % 4096 + 1)
 
 
-#: The (positive, negated) slot pairs whose disagreement is a mismatch.
-_PAIRS = [(STEP, NEG_STEP), (CHECK, NEG_CHECK), (SCALE, NEG_SCALE)]
-_PAIRS += [(AMAX + 1 + 2 * i, AMAX + 2 + 2 * i) for i in range(len(POLICY))]
-
-
 def mismatch(agreed: torch.Tensor) -> torch.Tensor:
     """0-d bool: the agreement vector shows ranks at different steps or checks, with different
-    scales or policies, or an error."""
-    pos, neg = agreed[AMAX + 1 :: 2], agreed[AMAX + 2 :: 2]
-    differ = (pos != -neg).any()
-    return (
-        differ
-        | (agreed[STEP] != -agreed[NEG_STEP])
-        | (agreed[CHECK] != -agreed[NEG_CHECK])
-        | (agreed[SCALE] != -agreed[NEG_SCALE])
-        | (agreed[ERROR] > 0)
-    )
+    scales or policies, or an error (4 tensor operations)."""
+    return (agreed[POS:NEG] + agreed[NEG:]).any()
+
+
+def mismatched(values: Sequence[float]) -> bool:
+    """:func:`mismatch` of an agreement vector read on the host."""
+    return any(a + b != 0 for a, b in zip(values[POS:NEG], values[NEG:LENGTH], strict=True))
 
 
 def _differences(values: Sequence[float]) -> list[str]:
@@ -376,7 +376,7 @@ def _differences(values: Sequence[float]) -> list[str]:
     if values[SCALE] != -values[NEG_SCALE]:
         out.append(f"loss scale {-values[NEG_SCALE]:g}..{values[SCALE]:g}")
     for i, name in enumerate(POLICY):
-        hi, lo = values[AMAX + 1 + 2 * i], -values[AMAX + 2 + 2 * i]
+        hi, lo = values[ERROR + 1 + i], -values[NEG_CHECK + 2 + i]
         if hi != lo:
             out.append(f"{name} {_shown(name, lo)}..{_shown(name, hi)}")
     return out
