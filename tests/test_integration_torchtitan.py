@@ -44,7 +44,7 @@ SCALE = 1024.0
 SHARDSCALE = "--module shardscale.integrations.torchtitan --config _titan:tiny"
 PLAIN = "--module _titan --config tiny"
 #: fp32 parameters, 2 microbatches per step on 2 data-parallel ranks (2 sequences each)
-#: the README's command line (after ``torchrun ... -m torchtitan.train``)
+#: docs/torchtitan.md's command line (after ``torchrun ... -m torchtitan.train``)
 README_ARGS = (
     "--module shardscale.integrations.torchtitan --config llama3:llama3_debugmodel "
     "--loss_scaling.init_scale 1024 --loss_scaling.hysteresis 2"
