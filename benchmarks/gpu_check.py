@@ -11,7 +11,8 @@ What it does:
    autocast fp16 (parameters equal), with fp16 parameters (vs a hand-written fp32 reference),
    with ``AdamW(fused=True)``, ``clip_grad_norm_`` vs torch's unscale_+clip recipe, gradients
    on CUDA next to CPU-offloaded ones, the policy's device ops vs the plain-Python oracle of
-   ``tests/_oracle.py``, and the collapse guard (read at once, or polled with fused steps).
+   ``tests/_oracle.py``, the collapse guard (read at once, or polled with fused steps), and
+   ``policy="headroom"``'s scales against the rule applied by hand to the measured amax.
 2. Host syncs per iteration measured by CUDA itself (``torch.cuda.set_sync_debug_mode("warn")``):
    expected 0 with a fused optimizer, 1 otherwise (the skip decision), also on the clip path.
 3. The ``benchmarks/bench.py`` table on CUDA, plus unscale bandwidth vs a measured device-to-device
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib.util
+import math
 import statistics
 import sys
 import time
@@ -106,11 +108,39 @@ def parity_fp16_params(device: str) -> float:
     )
 
 
-def count_syncs(device: str, fused: bool, clip: bool) -> int:
+def headroom_by_hand(device: str, fused: bool, clip: bool, steps: int = 8) -> tuple[bool, str]:
+    """``policy="headroom"`` on ``device`` (its amax from ``_foreach_norm(inf)`` off the CPU):
+    each update's scale is the rule applied by hand to the largest |gradient| read before the
+    step, ``2**floor(log2(65504 / max(history)) - 3)`` (no overflow here, from 2**0)."""
+    m = _model(device)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3, fused=fused)
+    s = ShardedGradScaler(device, init_scale=1.0, policy="headroom")
+    amp_dtype = torch.float16 if device == "cuda" else torch.bfloat16
+    g = torch.Generator(device="cpu").manual_seed(2)
+    history: list[float] = []
+    for i in range(steps):
+        x = torch.randn(32, 64, generator=g).to(device)
+        opt.zero_grad()
+        with torch.autocast(device_type=device, dtype=amp_dtype):
+            loss = m(x).float().pow(2).mean()
+        scale = s.get_scale()
+        s.scale(loss).backward()
+        history.append(max(p.grad.abs().max().item() for p in m.parameters()) / scale)
+        if clip:
+            s.clip_grad_norm_(opt, 1e9)  # measures the amax in its own read pass
+        s.step(opt)
+        s.update()
+        expected = 2.0 ** math.floor(math.log2(65504.0 / max(history[-50:])) - 3.0)
+        if s.last_step_skipped(opt) or s.get_scale() != max(expected, 1.0):
+            return False, f"step {i}: scale {s.get_scale()}, by hand {expected}"
+    return True, f"{steps} steps from 2**0 to 2**{math.log2(s.get_scale()):g}"
+
+
+def count_syncs(device: str, fused: bool, clip: bool, policy: str = "torch") -> int:
     """CUDA host syncs in one steady-state iteration (scale, [clip], step, update)."""
     m = _model(device)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3, fused=fused, capturable=not fused)
-    s = ShardedGradScaler(device)
+    s = ShardedGradScaler(device, policy=policy)
     x = torch.randn(8, 64, device=device)
 
     def iteration() -> None:
@@ -343,14 +373,20 @@ def main(argv: list[str] | None = None) -> int:
         check(f"collapse guard on CUDA fused={fused}", ok, detail)
     ok, detail = shared_memory_grad_refused_on_cuda()
     check("expanded CUDA gradient refused before any write", ok, detail)
-    for fused, clip, expect in (
-        (True, False, 0),
-        (True, True, 0),
-        (False, False, 1),
-        (False, True, 1),
-    ):
-        n = count_syncs("cuda", fused, clip)
-        check(f"host syncs fused={fused} clip={clip}", n <= expect, f"{n} (target <= {expect})")
+    for fused in (False, True):
+        for clip in (False, True):
+            ok, detail = headroom_by_hand("cuda", fused, clip)
+            check(f"policy='headroom' by hand fused={fused} clip={clip}", ok, detail)
+    for policy in ("torch", "headroom"):
+        for fused, clip, expect in (
+            (True, False, 0),
+            (True, True, 0),
+            (False, False, 1),
+            (False, True, 1),
+        ):
+            n = count_syncs("cuda", fused, clip, policy)
+            name = f"host syncs policy={policy} fused={fused} clip={clip}"
+            check(name, n <= expect, f"{n} (target <= {expect})")
 
     sizes = [2_000_000, 10_000_000] if args.quick else [10_000_000, 50_000_000, 100_000_000]
     cfg = bench.Config(sizes=sizes, dtypes=["fp32", "fp16", "bf16"], rounds=10, device="cuda")

@@ -42,6 +42,10 @@ def test_gpu_check_runs_on_the_cpu(dry: dict) -> None:
         assert ok, detail
     ok, detail = dry["shared_memory_grad_refused_on_cuda"]()
     assert ok, detail
+    for fused in (False, True):
+        for clip in (False, True):
+            ok, detail = dry["headroom_by_hand"]("cpu", fused, clip)
+            assert ok, detail
     for fn in ("copy_vs_unscale", "kernel_bandwidth"):
         u, c = dry[fn](100_000, torch.float16, rounds=2)
         assert u > 0 and c > 0
