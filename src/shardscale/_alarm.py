@@ -19,7 +19,7 @@ _AGREED, _OWN_STEP, _OWN_CHECK = 0, LENGTH, LENGTH + 1
 
 
 class Alarm:
-    """Device-side record of the first collapse and the first rank mismatch since the last read.
+    """Device-side record of the first collapse since the last read and of the last rank mismatch.
 
     Attributes:
         collapse: 1-d float64 (float32 where the device has no float64, as the counters):
