@@ -9,6 +9,7 @@ all-reduce, :func:`shardscale._sync.agree`). The rule (evidence and sources:
     hist = the last H entries                   # H = headroom_history (50)
     m    = headroom_margin + log2(world)        # 3 bits + log2 of the agreement groups' size
     measured:         push u                    # 0 (all-zero gradients): an empty slot
+    absorbed overflow (hysteresis): push an empty slot; the scale stays
     clean:            s' = 2**floor(log2(65504 / max(hist)) - m)  # no growth limit; may go down
                       (empty history: the scale stays)
     k-th backoff in a row (an overflow the hysteresis does not absorb):
@@ -135,7 +136,7 @@ def step_(
     register, the k-th backoff's factor looked up in :attr:`HeadroomState.limits`).
 
     The hysteresis is :func:`shardscale._policy.step_`'s: an overflow it absorbs keeps the
-    scale (no entry pushed); the growth tracker counts clean steps since the scale last rose or
+    scale (an empty slot pushed); the growth tracker counts clean steps since the scale last rose or
     an overflow (below ``growth_interval``, which is otherwise unused).
 
     Args:
@@ -175,7 +176,9 @@ def step_(
         entry = amax.masked_fill(overflow, 0.0).masked_fill_(backoff_due, pseudo) / old
     history = rule.history
     shifted = torch.cat([history[1:], entry.reshape(1)])
-    history.copy_(shifted if measured else torch.where(entry > 0, shifted, history))
+    # not measured (amax < 0) and clean: nothing pushed; a measured 0 pushes an empty slot, as
+    # with `measured` (a joined rank, told the agreed amax only, pushes what the others push)
+    history.copy_(shifted if measured else torch.where(entry >= 0, shifted, history))
     peak = history.max()
     # float32: an integer boundary within its rounding (~4e-6 bits) is a coin toss either way
     top = math.log2(FP16_MAX) - margin_bits(config, world)
