@@ -434,6 +434,14 @@ def test_bf16_and_fp32_get_a_guard(fresh_accelerate, precision):
     # an adopted optimizer pickles (its class is found by name)
     copy = pickle.loads(pickle.dumps(optimizer))
     assert type(copy) is type(optimizer) and type(copy).__name__ == "ShardscaleAcceleratedOptimizer"
+    # accelerate unscales only fp16 gradients: a guard's init_scale would clip scaled ones
+    with pytest.warns(UserWarning, match="init_scale is ignored"):
+        scaler = use_shardscale(accelerator, init_scale=1024.0)
+    assert scaler.get_scale() == 1.0
+    accelerator.backward(model(torch.ones(2, 4)).float().sum())  # grads: 2 each (w: 4, b: 1)
+    assert accelerator.clip_grad_norm_(model.parameters(), 1e9).item() == pytest.approx(20**0.5)
+    optimizer.step()
+    optimizer.zero_grad()
 
 
 def test_scaler_state_carries_over(fresh_accelerate):

@@ -489,17 +489,38 @@ def test_state_dict_field_round_trip(field):
     torch.save(saved, buf)
     buf.seek(0)
     loaded = torch.load(buf, weights_only=True)
-    dst = ShardedGradScaler("cpu")
+    mode = {"dynamic": False} if field == "dynamic" else {}  # the mode is the constructor's
+    dst = ShardedGradScaler("cpu", **mode)
     dst.load_state_dict(loaded)
     assert dst.state_dict() == saved
     # also into a scaler whose state already lives on a device (copied in place)
-    live = ShardedGradScaler("cpu")
+    live = ShardedGradScaler("cpu", **mode)
     run_scaler(live, [0])
     live.load_state_dict(loaded)
     assert live.state_dict() == saved
     assert live.metrics() == src.metrics() | {
         "last_step_skipped": live.metrics()["last_step_skipped"]
     }
+
+
+def test_a_checkpoint_of_the_other_mode_keeps_this_scalers_mode_and_scale():
+    """bf16 -> fp16 resume (a guard's checkpoint into a dynamic scaler) and the reverse: the
+    mode, scale and trackers stay the constructor's, the counters are loaded, a warning."""
+    guard = ShardedGradScaler.guard()
+    run_scaler(guard, [0, 1, 0])
+    fp16 = ShardedGradScaler("cpu", init_scale=2.0**12)
+    with pytest.warns(
+        UserWarning, match="keeps dynamic fp16 loss scaling and its own loss scale 4096"
+    ):
+        fp16.load_state_dict(guard.state_dict())
+    assert fp16.config.dynamic and fp16.get_scale() == 2.0**12
+    assert fp16.metrics()["steps"] == 3 and fp16.metrics()["skipped_steps"] == 1
+    assert run_scaler(fp16, [1])[-1] == 2.0**11  # it backs off: dynamic
+    for saved in (fp16.state_dict(), torch.amp.GradScaler("cpu").state_dict()):
+        back = ShardedGradScaler.guard()
+        with pytest.warns(UserWarning, match=r"keeps the bf16/fp32 guard \(dynamic=False\)"):
+            back.load_state_dict(saved)
+        assert not back.config.dynamic and back.get_scale() == 1.0
 
 
 def test_round_trip_continues_the_same_scale_sequence():

@@ -98,12 +98,18 @@ EXTRA_KEYS = (*GUARD_KEYS, "_hysteresis_tracker", "_counters", "_headroom_histor
 
 
 def parse_state_dict(
-    state_dict: object, current: ScalerConfig, keep: frozenset[str] = frozenset()
+    state_dict: object,
+    current: ScalerConfig,
+    keep: frozenset[str] = frozenset(),
+    own: Numbers | None = None,
 ) -> LoadedState:
     """Validate ``state_dict`` (ours or torch's) against ``current``'s defaults; mutate nothing.
 
     Keys missing from a torch state dict keep ``current``'s settings; the hysteresis tracker is
-    then full and the counters 0.
+    then full and the counters 0. A checkpoint of the other mode (``dynamic``: fp16 loss
+    scaling against the bf16/fp32 guard; torch's scalers are dynamic) with ``dynamic`` kept:
+    the scale and trackers stay ``own`` (this scaler's), the counters come from the
+    checkpoint, and a warning says so.
 
     Raises:
         TypeError, ValueError: not a dict, a missing key, or a bad value (named).
@@ -121,11 +127,21 @@ def parse_state_dict(
     fields = {k: state_dict[k] for k in CONFIG_KEYS if k in state_dict}
     dataclasses.replace(current, **fields)  # validates every field, kept ones too
     config = dataclasses.replace(current, **{k: v for k, v in fields.items() if k not in keep})
+    switched = own is not None and "dynamic" in keep and _dynamic(state_dict) != current.dynamic
     overridden = [
         f"{k}={getattr(current, k)!r} (the checkpoint's: {state_dict[k]!r})"
         for k in keep
-        if k in state_dict and state_dict[k] != getattr(current, k)
+        if k in state_dict and state_dict[k] != getattr(current, k) and k != "dynamic"
     ]
+    if switched:
+        assert own is not None
+        modes = {True: "dynamic fp16 loss scaling", False: "the bf16/fp32 guard (dynamic=False)"}
+        warnings.warn(
+            f"load_state_dict(): the checkpoint was saved by {modes[not current.dynamic]}; this "
+            f"scaler keeps {modes[current.dynamic]} and its own loss scale {own.scale:g} (the "
+            "checkpoint's belongs to the other mode); its counters are loaded.",
+            stacklevel=3,
+        )
     if config.policy != current.policy:  # the whole rule changes: say so
         warnings.warn(
             f"load_state_dict(): the checkpoint's policy={config.policy!r} replaces this "
@@ -173,7 +189,15 @@ def parse_state_dict(
     if not isinstance(raw, Mapping) or not set(raw) <= set(COUNTER_NAMES):
         raise ValueError(f"state_dict['_counters'] must be a dict with keys from {COUNTER_NAMES}.")
     counters = tuple(_nonneg_int(f"_counters[{n!r}]", raw.get(n, 0)) for n in COUNTER_NAMES)
+    if switched:
+        assert own is not None
+        scale, tracker, hyst = own.scale, own.growth_tracker, own.hysteresis_tracker
     return LoadedState(config, scale, tracker, hyst, counters, _headroom(state_dict, config))
+
+
+def _dynamic(state_dict: Mapping[str, Any]) -> bool:
+    """The mode a checkpoint was saved in: its ``dynamic`` (torch's scalers: True)."""
+    return bool(state_dict.get("dynamic", True))
 
 
 def _headroom(state_dict: Mapping[str, Any], config: ScalerConfig) -> HeadroomNumbers:

@@ -157,7 +157,9 @@ class ShardedGradScaler(
         self.rank_local_params = args.rank_local_params
         self._report_overflows = args.report_overflows
         #: the policy fields set away from their defaults: kept over a checkpoint's
-        self._asked = _checkpoint.asked(args.config, named=("policy",) if policy else ())
+        # dynamic: the mode (fp16 loss scaling or the guard) is the constructor's, always
+        named = ("dynamic", "policy") if policy else ("dynamic",)
+        self._asked = _checkpoint.asked(args.config, named=named)
         Joinable.__init__(self)
 
     @classmethod
@@ -581,10 +583,13 @@ class ShardedGradScaler(
 
         The scale, trackers and counters come from the checkpoint; so do torch's policy keys
         (``growth_factor``, ``backoff_factor``, ``growth_interval``, as torch). shardscale's own
-        policy fields (bounds, hysteresis, ``dynamic``, the collapse guard) come from the
-        checkpoint too, except those the constructor set away from their defaults: those are
-        kept (with a warning when the checkpoint differs), so resuming an older checkpoint never
-        switches off a guard asked for (a scale outside kept bounds is clamped, with a warning).
+        policy fields (bounds, hysteresis, the collapse guard) come from the checkpoint too,
+        except those the constructor set away from their defaults (and ``policy`` when named):
+        those are kept (with a warning when the checkpoint differs), so resuming an older
+        checkpoint never switches off a guard asked for (a scale outside kept bounds is clamped,
+        with a warning). The mode is always the constructor's: a checkpoint of fp16 loss
+        scaling loaded into :meth:`guard` (or the reverse) keeps this scaler's ``dynamic``,
+        scale and trackers, with a warning; its counters are loaded.
         Keys missing from a torch state dict keep this scaler's settings (the hysteresis
         tracker is refilled, counters start at 0). Everything is validated before anything
         changes: on error the scaler is left exactly as it was.
@@ -601,7 +606,8 @@ class ShardedGradScaler(
                 "load_state_dict() was called in the middle of an iteration (after scale(), "
                 "unscale_ or step): load at an iteration boundary (after update() or abandon())."
             )
-        loaded = _checkpoint.parse_state_dict(state_dict, self._config, self._asked)
+        own = self._loss_scale.read()[0]  # kept if the checkpoint is of the other mode
+        loaded = _checkpoint.parse_state_dict(state_dict, self._config, self._asked, own)
         self._loss_scale.load(loaded.numbers)
         self._headroom.load(loaded.headroom)
         self._config = loaded.config

@@ -42,8 +42,9 @@ def use_shardscale(accelerator: Any, **scaler_kwargs: Any) -> ShardedGradScaler:
       then ``GradScalerKwargs`` given to the accelerator, then ``scaler_kwargs``. The scale and
       growth tracker of the scaler accelerate made (if any: it may have loaded a checkpoint)
       carry over unless ``init_scale`` is given.
-    * ``"bf16"`` or ``"no"``: :meth:`ShardedGradScaler.guard` (scale fixed at 1.0; a step with
-      an inf/NaN gradient on any rank is skipped on every rank).
+    * ``"bf16"`` or ``"no"``: :meth:`ShardedGradScaler.guard` (scale fixed at 1.0: an
+      ``init_scale`` is ignored with a warning, since accelerate unscales only fp16 gradients;
+      a step with an inf/NaN gradient on any rank is skipped on every rank).
     * fp16 on the CPU, which accelerate turns off silently (no autocast, no scaler): fp16
       autocast is turned on (``accelerator.native_amp``; models prepared already get accelerate's
       autocast wrapper; FSDP2 models use the plugin's ``MixedPrecisionPolicy``) and a
@@ -91,6 +92,14 @@ def use_shardscale(accelerator: Any, **scaler_kwargs: Any) -> ShardedGradScaler:
             _enable_cpu_fp16(accelerator)
     else:
         kwargs.update(scaler_kwargs)
+        if kwargs.pop("init_scale", 1.0) != 1.0:
+            warnings.warn(
+                f"use_shardscale(): init_scale is ignored with mixed_precision={precision!r}: "
+                "accelerate unscales gradients (for clip_grad_norm_) only in fp16, so the "
+                "bf16/fp32 guard keeps its scale at 1.0.",
+                UserWarning,
+                stacklevel=2,
+            )
         scaler = ShardedGradScaler.guard(**kwargs)
     accelerator.scaler = scaler
     for optimizer in accelerator._optimizers:
