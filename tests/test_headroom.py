@@ -415,7 +415,8 @@ def test_two_ranks_with_different_amaxes_agree_on_the_scale(tmp_path, fused):
 
 
 def _uneven(rank: int, world_size: int, fused: bool) -> dict:
-    """Join: rank 1 runs out of data after 3 batches; rank 0 goes on, overflows at batch 4."""
+    """Join: rank 1 runs out of data after 3 batches; rank 0 goes on, overflows at batch 4 and
+    has all-zero gradients at batch 5 (the joined rank pushes the same empty slot)."""
     from torch.distributed.algorithms.join import Join
     from torch.nn.parallel import DistributedDataParallel
 
@@ -428,7 +429,8 @@ def _uneven(rank: int, world_size: int, fused: bool) -> dict:
         for i in range(6 if rank == 0 else 3):
             opt.zero_grad()
             x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * rank + i))
-            loss = model(x).pow(2).mean() * (INF if (rank == 0 and i == 4) else 1.0)
+            factor = {4: INF, 5: 0.0}.get(i, 1.0) if rank == 0 else 1.0
+            loss = model(x).pow(2).mean() * factor
             scaler.scale(loss).backward()
             scaler.step(opt)
             scaler.update()
