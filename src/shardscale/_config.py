@@ -389,16 +389,24 @@ _HEADROOM_RULE = {
 }
 
 
-def _check_torch_args(config: ScalerConfig) -> None:
-    """A constructor's torch rule with ``policy="headroom"``'s arguments: a warning."""
-    unused = [k for k, default in _HEADROOM_RULE.items() if getattr(config, k) != default]
+def _warn_unused(config: ScalerConfig, defaults: dict[str, object], why: str) -> None:
+    """A constructor's arguments of the other policy, set away from ``defaults``: a warning."""
+    unused = [k for k, default in defaults.items() if getattr(config, k) != default]
     if unused:
         warnings.warn(
-            f"policy={config.policy!r} does not use {', '.join(unused)} (they set "
-            "policy='headroom'): ignored unless a checkpoint loaded later switches the policy.",
+            f"policy={config.policy!r} does not use {', '.join(unused)} ({why}): ignored.",
             UserWarning,
-            stacklevel=4,
+            stacklevel=5,
         )
+
+
+def _check_torch_args(config: ScalerConfig) -> None:
+    """A constructor's torch rule with ``policy="headroom"``'s arguments: a warning."""
+    _warn_unused(
+        config,
+        _HEADROOM_RULE,
+        "they set policy='headroom'; a checkpoint loaded later may switch the policy",
+    )
 
 
 def warn_unused_setter(config: ScalerConfig, name: str) -> None:
@@ -423,14 +431,11 @@ def _check_headroom_args(config: ScalerConfig) -> None:
             "policy='headroom' sets the scale from the measured gradients, and dynamic=False "
             "(guard()) keeps it fixed: drop one of them."
         )
-    unused = [k for k, default in _TORCH_RULE.items() if getattr(config, k) != default]
-    if unused:
-        warnings.warn(
-            f"policy='headroom' does not use {', '.join(unused)} (the scale follows the "
-            "measured gradient amax; an overflow backs off by powers of two): ignored.",
-            UserWarning,
-            stacklevel=4,
-        )
+    _warn_unused(
+        config,
+        _TORCH_RULE,
+        "the scale follows the measured gradient amax; an overflow backs off by powers of two",
+    )
 
 
 def guard_kwargs(kwargs: dict[str, object]) -> dict[str, object]:
