@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from . import _sync
 from ._grads import local_grads
 from ._report import ParamNames
 
@@ -181,6 +182,24 @@ def measure(
                 name, numel = f"optimizer {i}, group {j}{label}", sum(g.numel() for g in grads)
                 out.append(_figures(name, rank, scale, factor, amax, squares, under, numel))
     return out
+
+
+def of_step(
+    index: int,
+    scale: float,
+    optimizers: Iterable[tuple[Any, bool]],
+    names: ParamNames | None,
+    groups: list[Any] | None,
+) -> Numerics | None:
+    """``ShardedGradScaler.numerics()`` of the step ``index`` at ``scale``: :func:`measure`
+    of this rank's ``optimizers``, gathered over the process ``groups`` when given (one
+    ``all_gather_object`` each, collective); None when no gradient is left to measure."""
+    found = measure(optimizers, scale, _sync.rank(), names)
+    if groups is not None:
+        found = _sync.gather_objects(found, groups)
+    if not found:  # nothing left to measure: no figures rather than an infinite headroom
+        return None
+    return Numerics(index, scale, tuple(sorted(found, key=lambda g: (g.rank, g.name))))
 
 
 def _figures(

@@ -530,30 +530,23 @@ class ShardedGradScaler(
         return report
 
     def numerics(self, all_ranks: bool = False) -> Numerics | None:
-        """The gradient numerics of the last stepped iteration, per parameter group: headroom
-        in bits to fp16's overflow, the fraction of elements that underflow in fp16, the
-        unscaled norm and amax (:class:`~shardscale.Numerics`; headline figures in its
-        ``as_dict()``; per FSDP unit where a group spans several). Call it after ``update()``
-        and before ``zero_grad()``; None before the first ``update()``, after the next
-        ``scale()``, when no gradient is left to measure (after ``zero_grad()``, or a rank
-        that holds none with ``all_ranks=False``) or when disabled.
-
-        Measured on the gradients as they are (one pass and one host read per group; nothing
-        in the training step). ``all_ranks=False``: this rank's local gradients (shards), no
-        collective. True: every rank's, gathered (one ``all_gather_object``: every rank of the
-        process group must call it)."""
+        """The gradient numerics of the last stepped iteration, per parameter group (per FSDP
+        unit where a group spans several): headroom in bits to fp16's overflow, the fraction
+        of elements that underflow in fp16, the unscaled norm and amax
+        (:class:`~shardscale.Numerics`; headline figures in ``as_dict()``). Call it after
+        ``update()`` and before ``zero_grad()``; None before the first ``update()``, after the
+        next ``scale()``, with no gradient left (after ``zero_grad()``; a rank holding none,
+        locally) or when disabled. One pass and one host read per group, nothing in the
+        training step. ``all_ranks=False``: this rank's gradients (shards), no collective;
+        True: every rank's (one ``all_gather_object``: every rank must call it)."""
         if not isinstance(all_ranks, bool):
             raise TypeError(f"all_ranks must be a bool, got {all_ranks!r}.")
         last = self._it.last
         if not self._enabled or last is None or self._it.scaled_here:
             return None
-        scale, pairs, rank = float(last.scale), self._it.left_scaled(), _sync.rank()
-        groups = [] if self._calls.shadowing else _numerics.measure(pairs, scale, rank, self._names)
-        if all_ranks:
-            groups = _sync.gather_objects(groups, _sync.resolve_groups(self.process_group))
-        if not groups:  # nothing left to measure: no figures rather than an infinite headroom
-            return None
-        return Numerics(last.index, scale, tuple(sorted(groups, key=lambda g: (g.rank, g.name))))
+        groups = _sync.resolve_groups(self.process_group) if all_ranks else None
+        pairs = [] if self._calls.shadowing else self._it.left_scaled()
+        return _numerics.of_step(last.index, float(last.scale), pairs, self._names, groups)
 
     # torch's getters and setters: in _protocol.TorchInternals
     @property
@@ -566,13 +559,10 @@ class ShardedGradScaler(
         """The scaler's state as plain Python values (safe for ``torch.load(weights_only=True)``).
 
         Keys: torch's five (``scale``, ``growth_factor``, ``backoff_factor``,
-        ``growth_interval``, ``_growth_tracker``), then ``min_scale``, ``max_scale``,
-        ``hysteresis``, ``consecutive_hysteresis``, ``dynamic``, ``max_consecutive_skips``,
-        ``on_collapse``, ``_hysteresis_tracker``, ``_counters``, ``policy``, ``headroom_margin``,
-        ``headroom_history``, ``measure_every``, ``_headroom_history`` (the rule's entries,
-        oldest first: floats) and ``_headroom_backoffs``. Empty if disabled. One host read (two
-        with ``policy="headroom"``). Call it after :meth:`update` to checkpoint a whole
-        iteration.
+        ``growth_interval``, ``_growth_tracker``), then the other policy fields, the hysteresis
+        tracker, ``_counters`` and the headroom rule's ``_headroom_history`` (oldest first) and
+        ``_headroom_backoffs`` (all listed in ``docs/checkpoints.md``). Empty if disabled. One
+        host read (two with ``policy="headroom"``). Call it after :meth:`update`.
         """
         if not self._enabled:
             return {}
@@ -581,18 +571,12 @@ class ShardedGradScaler(
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a state from :meth:`state_dict` or from ``torch.amp.GradScaler.state_dict()``.
 
-        The scale, trackers and counters come from the checkpoint; so do torch's policy keys
-        (``growth_factor``, ``backoff_factor``, ``growth_interval``, as torch). shardscale's own
-        policy fields (bounds, hysteresis, the collapse guard) come from the checkpoint too,
-        except those the constructor set away from their defaults (and ``policy`` when named):
-        those are kept (with a warning when the checkpoint differs), so resuming an older
-        checkpoint never switches off a guard asked for (a scale outside kept bounds is clamped,
-        with a warning). The mode is always the constructor's: a checkpoint of fp16 loss
-        scaling loaded into :meth:`guard` (or the reverse) keeps this scaler's ``dynamic``,
-        scale and trackers, with a warning; its counters are loaded.
-        Keys missing from a torch state dict keep this scaler's settings (the hysteresis
-        tracker is refilled, counters start at 0). Everything is validated before anything
-        changes: on error the scaler is left exactly as it was.
+        The scale, trackers, counters and torch's policy keys come from the checkpoint, as
+        torch; so do shardscale's policy fields, except those the constructor set away from
+        their defaults (and a named ``policy``), kept with a warning; the mode (fp16 or the
+        :meth:`guard`) is always the constructor's, its scale and trackers kept when the
+        checkpoint is of the other mode. Rules and warnings: ``docs/checkpoints.md``.
+        Everything is validated before anything changes: on error the scaler is as it was.
 
         Raises:
             RuntimeError: empty dict (saved from a disabled scaler), or called mid-iteration
