@@ -4,6 +4,7 @@
     python benchmarks/policies.py --quick                # smoke test: digits, 12 steps (seconds)
     python benchmarks/policies.py --tasks digits --steps 300 --plot docs/img/policies.png
     python benchmarks/policies.py --cost                 # the paired time per step (~2 min)
+    python benchmarks/policies.py --cold                 # small ops right after a backward pass
 
 The demo's models (``shardscale train``: the digits MLP, and the character transformer of
 ``--text``, here on CPython's ``LICENSE.txt``), one process, CPU fp16 autocast, AdamW fused and
@@ -220,6 +221,53 @@ def cost(task: str, fused: bool, seed: int, ds: Any, rounds: int, per_round: int
     }  # fmt: skip
 
 
+def cold(seed: int, ds: Any, n: int = 31) -> dict:
+    """Why a small operation costs more right after a backward pass on the CPU: 20 0-d tensor
+    operations of one kind (``add_``) against 20 of ~16 kinds (the rule's mix), timed right
+    after an fp16-autocast backward pass of the digits MLP (median of ``n - 1``) and warm (in a
+    loop). Microseconds per 20 operations."""
+    cfg = _cfg("digits", 10**6, seed)
+    torch.manual_seed(seed)
+    net = smodel.build(cfg, ds)
+    batches = sdata.Batches(ds, cfg, 0, 1)
+    a, two, hist = torch.ones(()), torch.full((), 2.0), torch.rand(50)
+
+    def one_kind() -> None:
+        for _ in range(20):
+            a.add_(1)
+
+    def many_kinds() -> None:
+        x = a.clone()
+        y = x.gt(0)
+        x.add_(1).clamp_max_(5).mul_(y)
+        z = x.masked_fill(y, 3.0) / two
+        hist.copy_(torch.cat([hist[1:], z.reshape(1)]))
+        peak = hist.max()
+        t = torch.exp2(torch.floor(3 - torch.log2(peak))).clamp_(1, 100)
+        torch.where(peak > 0, t, two, out=a)
+        torch.stack([a > two, a < two])
+
+    out = {}
+    for name, f in (("one kind", one_kind), ("many kinds", many_kinds)):
+        after = []
+        for i in range(1, n):
+            x, y = batches.get(i)
+            net.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = _loss(net(x), y)
+            loss.backward()
+            t0 = time.perf_counter()
+            f()
+            after.append(time.perf_counter() - t0)
+        f()
+        t0 = time.perf_counter()
+        for _ in range(200):
+            f()
+        warm = (time.perf_counter() - t0) / 200
+        out[name] = (1e6 * sorted(after)[len(after) // 2], 1e6 * warm)
+    return out
+
+
 def cost_table(rows: list[dict]) -> str:
     """The markdown table of :func:`cost`'s rows."""
     lines = [
@@ -295,6 +343,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--plot", default=None, help="write the scale trajectories to this PNG")
     ap.add_argument("--quick", action="store_true", help="digits, 12 steps, inits 0,24, adamw")
     ap.add_argument("--cost", action="store_true", help="only the paired time per step")
+    ap.add_argument("--cold", action="store_true", help="only the cold-operation probe")
     ap.add_argument("--rounds", type=int, default=11, help="--cost: interleaved rounds")
     ap.add_argument("--per-round", type=int, default=5, help="--cost: steps per round")
     a = ap.parse_args(argv)
@@ -302,6 +351,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         a.tasks, a.opts, a.inits, a.steps = "digits", "adamw", "0,24", 12
         a.rounds, a.per_round = 3, 2
     torch.set_num_threads(1)
+    if a.cold:
+        for name, (after, warm) in cold(a.seed, sdata.load(_cfg("digits", 10, a.seed))).items():
+            print(f"20 ops of {name}: {after:.0f} us right after a backward pass, {warm:.0f} us warm")
+        return []
     if a.cost:
         rows = []
         for task in a.tasks.split(","):

@@ -171,6 +171,35 @@ def test_an_overflow_backs_off_and_the_scale_stays_below_it():
     assert e[10] == _target(max(r[2] for r in rows[5:10]))  # then the measured amaxes alone
 
 
+def test_a_step_read_clean_on_the_host_updates_as_the_device_rule_does():
+    """SGD's step reads its flag on the host; a clean one lets update() leave the overflow's
+    branches out. Fused SGD's step reads nothing (the whole rule on the device). Both give the
+    same scales, history, counters and parameters (a power-of-two scale unscales exactly
+    either way), through overflows in a row and all-zero gradients."""
+    out = []
+    for fused in (False, True):
+        torch.manual_seed(0)
+        net = Net()
+        opt = torch.optim.SGD(net.parameters(), lr=1e-3, fused=fused)
+        scaler = ShardedGradScaler("cpu", init_scale=2.0**20, policy="headroom", headroom_history=3)
+        scales = []
+        for step, factor in enumerate([1, 1e3, 1, 0, 0, 0, 0, 1e-3, 1, 1e4, 1, 1, 1]):
+            opt.zero_grad()
+            scaler.scale(_loss(net, step) * factor).backward()
+            if step == 8:
+                net.a.weight.grad.view(-1)[0] = INF
+            scaler.step(opt)
+            scaler.update()
+            scales.append(math.log2(scaler.get_scale()))
+        out.append((scales, scaler.state_dict(), [p.detach().clone() for p in net.parameters()]))
+    (scales, sd, params), (scales_f, sd_f, params_f) = out
+    # backs off from 2**20 (2 skips); all-zero gradients empty the history (the scale stays);
+    # tiny gradients: up; an inf, then larger gradients: 3 backoffs in a row (1, 2, 4 bits)
+    assert scales == [19, 17, 16, 16, 16, 16, 16, 26, 25, 23, 19, 16, 16] == scales_f
+    assert sd == sd_f and sd["_counters"]["skipped_steps"] == 5
+    assert all(torch.equal(p, q) for p, q in zip(params, params_f, strict=True))
+
+
 def test_measure_every_k_non_fused_steps():
     scaler = ShardedGradScaler("cpu", init_scale=1.0, policy="headroom", measure_every=3)
     _train(scaler, 7)

@@ -129,11 +129,13 @@ def step_(
     measured: bool = False,
     unit: torch.Tensor | None = None,
     binary: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    clean: bool = False,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
     """One update of ``policy="headroom"`` (module docstring), in place: ``state``'s scale,
-    trackers and counters and ``rule``'s history. Tensor ops only, no host read: 36 small
+    trackers and counters and ``rule``'s history. Tensor ops only, no host read: 32 small
     ones with the defaults (the margin's constants folded on the host, the history a shift
-    register, the k-th backoff's factor looked up in :attr:`HeadroomState.limits`).
+    register, the k-th backoff's factor looked up in :attr:`HeadroomState.limits`); 17 when
+    the host read the iteration's flags clean (``clean``: no backoff, no collapse possible).
 
     The hysteresis is :func:`shardscale._policy.step_`'s: an overflow it absorbs keeps the
     scale (an empty slot pushed); the growth tracker counts clean steps since the scale last rose or
@@ -151,14 +153,19 @@ def step_(
             entry is pushed without testing it (an amax of 0 pushes an empty slot).
         unit: a 0-d float32 1.0 on the state's device (the counters' constant), or None.
         binary: ``found_inf`` is 0 or 1 (one optimizer's agreed flag), not a count.
+        clean: the host read every flag of the iteration and none was set (non-fused steps:
+            :meth:`shardscale._iteration.Iteration.seen_clean`), so ``found_inf`` is 0: with
+            ``hysteresis=1`` the overflow's branches are left out (:func:`_clean_step_`).
 
     Returns:
         ``(collapsed, old_scale)``: 0-d bool (a backoff due at or below ``config.lowest``, or
-        ``max_consecutive_skips`` reached) and a 0-d copy of the scale before the update.
+        ``max_consecutive_skips`` reached; None when ``clean``: none is possible) and a 0-d
+        copy of the scale before the update.
     """
-    scale, gt, ht, k = state.scale, state.growth_tracker, state.hysteresis_tracker, rule.backoffs
-    lo_e, hi_e = exponent_range(config)
     simple = config.hysteresis == 1 and not config.consecutive_hysteresis
+    if clean and simple:
+        return None, _clean_step_(state, rule, found_inf, amax, config, world, measured, unit)
+    scale, gt, ht, k = state.scale, state.growth_tracker, state.hysteresis_tracker, rule.backoffs
     old = scale.clone()
     overflow = found_inf > 0
     # backoffs in a row (saturating at MAX_RUN: the table's last factor) and the entry: an
@@ -180,16 +187,10 @@ def step_(
     # with `measured` (a joined rank, told the agreed amax only, pushes what the others push)
     history.copy_(shifted if measured else torch.where(entry >= 0, shifted, history))
     peak = history.max()
-    # float32: an integer boundary within its rounding (~4e-6 bits) is a coin toss either way
-    top = math.log2(FP16_MAX) - margin_bits(config, world)
-    target = torch.exp2(torch.floor(top - torch.log2(peak)))
-    new = torch.minimum(target, old * rule.limits.gather(0, k.view(1)).view(())).clamp_(
-        2.0**lo_e, 2.0**hi_e
-    )
-    if 2.0**hi_e > config.max_scale:  # no power of two in [lowest, max_scale]
-        new.clamp_(config.lowest, config.max_scale)
+    new = torch.minimum(_target(peak, config, world), old * rule.limits.gather(0, k.view(1)).view(()))
+    _clamp_(new, config)
     known = peak > 0  # an empty history keeps the scale
-    scale.copy_(torch.where(known if simple else known & ~absorbed, new, old))
+    torch.where(known if simple else known & ~absorbed, new, old, out=scale)
     grew, shrank = scale > old, scale < old
     gt.add_(1).clamp_max_(config.growth_interval - 1).masked_fill_(overflow | grew, 0)
     if not simple:
@@ -200,6 +201,54 @@ def step_(
     if config.max_consecutive_skips is not None:
         collapsed = collapsed | (state.counters[2] >= config.max_consecutive_skips)
     return collapsed, old
+
+
+def _target(peak: torch.Tensor, config: ScalerConfig, world: int) -> torch.Tensor:
+    """The history's target: the largest power of two keeping ``peak`` (0-d float32, the
+    history's largest entry) ``margin_bits`` below fp16's largest value (4 ops; inf for an
+    empty history). float32: an integer boundary within its rounding (~4e-6 bits) is a coin
+    toss either way."""
+    top = math.log2(FP16_MAX) - margin_bits(config, world)
+    return torch.exp2(torch.floor(top - torch.log2(peak)))
+
+
+def _clamp_(new: torch.Tensor, config: ScalerConfig) -> None:
+    """Clamp ``new`` (0-d) to the powers of two in ``[config.lowest, config.max_scale]``, in
+    place (or to that range where it holds no power of two)."""
+    lo_e, hi_e = exponent_range(config)
+    new.clamp_(2.0**lo_e, 2.0**hi_e)
+    if 2.0**hi_e > config.max_scale:  # no power of two in [lowest, max_scale]
+        new.clamp_(config.lowest, config.max_scale)
+
+
+def _clean_step_(
+    state: ScaleState,
+    rule: HeadroomState,
+    found_inf: torch.Tensor,
+    amax: torch.Tensor,
+    config: ScalerConfig,
+    world: int,
+    measured: bool,
+    unit: torch.Tensor | None,
+) -> torch.Tensor:
+    """:func:`step_` with ``hysteresis=1`` when the host knows the iteration was clean
+    (``found_inf`` is 0): the measured entry pushed, the scale set to the history's target,
+    no backoff in a row, nothing to absorb, no collapse (17 ops). Returns the old scale."""
+    scale, gt, k = state.scale, state.growth_tracker, rule.backoffs
+    old = scale.clone()
+    k.zero_()
+    entry = amax / old
+    history = rule.history
+    shifted = torch.cat([history[1:], entry.reshape(1)])
+    history.copy_(shifted if measured else torch.where(entry >= 0, shifted, history))
+    peak = history.max()
+    new = _target(peak, config, world)
+    _clamp_(new, config)
+    torch.where(peak > 0, new, old, out=scale)  # an empty history keeps the scale
+    grew, shrank = scale > old, scale < old
+    gt.add_(1).clamp_max_(config.growth_interval - 1).masked_fill_(grew, 0)
+    count_(state.counters, found_inf, shrank, grew, unit, True)
+    return old
 
 
 def next_state(
@@ -287,13 +336,16 @@ class Headroom:
         config: ScalerConfig,
         unit: torch.Tensor | None = None,
         binary: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        clean: bool = False,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """``update()`` under ``policy="headroom"``: :func:`step_` with this iteration's amax
-        (``unit``, ``binary``: as there); returns its ``(collapsed, old_scale)``."""
+        (``unit``, ``binary``, ``clean``: as there); returns its ``(collapsed, old_scale)``."""
         home = state.scale.device
         measured = self.pending is not None
         rule, amax = self.place(home, config), self.take(home, config)
-        return step_(state, rule, found_inf, amax, config, self.world, measured, unit, binary)
+        return step_(
+            state, rule, found_inf, amax, config, self.world, measured, unit, binary, clean
+        )
 
     def forget(self) -> None:
         """The iteration was abandoned: its amax is dropped."""

@@ -338,7 +338,9 @@ class ShardedGradScaler(
         else:
             if config.headroom:
                 unit = self._loss_scale.unit
-                collapsed, old = self._headroom.update_(state, found_inf, config, unit, binary)
+                collapsed, old = self._headroom.update_(
+                    state, found_inf, config, unit, binary, seen_clean
+                )
             else:
                 unit = self._loss_scale.unit if bounds.free(config) else None
                 collapsed, old = step_(state, found_inf, config, unit, binary)
