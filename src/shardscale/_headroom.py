@@ -132,7 +132,7 @@ def step_(
     clean: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """One update of ``policy="headroom"`` (module docstring), in place: ``state``'s scale,
-    trackers and counters and ``rule``'s history. Tensor ops only, no host read: 32 small
+    trackers and counters and ``rule``'s history. Tensor ops only, no host read: 35 small
     ones with the defaults (the margin's constants folded on the host, the history a shift
     register, the k-th backoff's factor looked up in :attr:`HeadroomState.limits`); 17 when
     the host read the iteration's flags clean (``clean``: no backoff, no collapse possible).
