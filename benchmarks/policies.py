@@ -353,7 +353,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     torch.set_num_threads(1)
     if a.cold:
         for name, (after, warm) in cold(a.seed, sdata.load(_cfg("digits", 10, a.seed))).items():
-            print(f"20 ops of {name}: {after:.0f} us right after a backward pass, {warm:.0f} us warm")
+            print(
+                f"20 ops of {name}: {after:.0f} us right after a backward pass, {warm:.0f} us warm"
+            )
         return []
     if a.cost:
         rows = []

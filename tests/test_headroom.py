@@ -214,18 +214,22 @@ def test_the_default_policy_keeps_torchs_sequence():
     assert a == b and ours.state_dict()["_headroom_history"] == []
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_state_dict_round_trip_resumes_bit_identically(fused):
-    kw = dict(init_scale=2.0**20, policy="headroom", headroom_history=6)
-    full, net_full, _ = _train(ShardedGradScaler("cpu", **kw), 12, fused, inf_at=(7,))
+@pytest.mark.parametrize("fused,every", [(False, 1), (True, 1), (False, 4)])
+def test_state_dict_round_trip_resumes_bit_identically(fused, every):
+    """measure_every's phase comes from the checkpoint's steps counter: a resume after 6
+    updates measures at updates 8 and 12 as the uninterrupted run does."""
+    kw = dict(init_scale=2.0**20, policy="headroom", headroom_history=6, measure_every=every)
+    uninterrupted = ShardedGradScaler("cpu", **kw)
+    full, net_full, _ = _train(uninterrupted, 12, fused, inf_at=(7,))
     first = ShardedGradScaler("cpu", **kw)
     head, net, opt = _train(first, 6, fused, inf_at=(7,))
     saved = first.state_dict()
-    assert saved["policy"] == "headroom" and len(saved["_headroom_history"]) == 6
+    assert saved["policy"] == "headroom" and saved["measure_every"] == every
+    assert len(saved["_headroom_history"]) == (6 if every == 1 else 2)
     second = ShardedGradScaler("cpu")  # policy comes from the checkpoint
     second.load_state_dict(saved)
     tail, net, _ = _train(second, 6, fused, inf_at=(7,), net=net, opt=opt, start=6)
-    assert head + tail == full
+    assert head + tail == full and second.state_dict() == uninterrupted.state_dict()
     for p, q in zip(net.parameters(), net_full.parameters(), strict=True):
         assert torch.equal(p, q)
 
@@ -296,6 +300,18 @@ def test_a_collapse_at_the_floor_names_the_floor():
     scaler = ShardedGradScaler("cpu", init_scale=4.0, policy="headroom")
     with pytest.raises(ScaleCollapseError, match=r"sits at its floor 1 \(policy='headroom'"):
         _train(scaler, 6, inf_at=range(6))
+
+
+@pytest.mark.parametrize("min_scale,floor", [(3.0, 4), (1000.0, 1024)])
+def test_a_min_scale_not_a_power_of_two_collapses_at_the_power_above_it(min_scale, floor):
+    """The rule's scales are powers of two: its backoffs stop at the power of two above
+    min_scale, and an overflow there is a collapse (not skipped steps forever)."""
+    from shardscale import ScaleCollapseError
+
+    scaler = ShardedGradScaler("cpu", init_scale=2.0**16, policy="headroom", min_scale=min_scale)
+    with pytest.raises(ScaleCollapseError, match=rf"sits at its floor {floor} \(policy='headroom'"):
+        _train(scaler, 30, inf_at=range(30))
+    assert scaler.get_scale() == floor
 
 
 def test_clip_after_update_without_scale_warns_as_step_does():

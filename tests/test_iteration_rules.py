@@ -545,18 +545,27 @@ def test_an_idle_ranks_gradients_are_its_peers_unscaled_once(tmp_path, kind):
         assert r["steps"] == 3 and r["scale"] == S
 
 
-def test_load_state_dict_after_scale_is_refused():
+def test_load_state_dict_after_scale_abandons_the_iteration():
+    """torch loads after scale() (its own test does); the gradients then hold the old scale,
+    which the loaded one would wrongly unscale: the iteration is abandoned, with a warning, and
+    a step of those gradients raises until the loss is scaled again."""
     w = torch.nn.Parameter(torch.ones(4))
     opt = torch.optim.SGD([w], lr=0.1)
     s = ShardedGradScaler("cpu", init_scale=S)
     saved = {**s.state_dict(), "scale": 8.0}
     s.scale((3 * w).sum()).backward()
-    with pytest.raises(RuntimeError, match=r"after scale\(\).*iteration boundary"):
+    with pytest.warns(RuntimeWarning, match=r"after scale\(\).*abandoned"):
         s.load_state_dict(saved)
-    s.step(opt)  # unchanged: the gradients are unscaled by the scale they were scaled with
-    s.update()
-    assert torch.equal(w.detach(), torch.full((4,), 0.7)) and s.get_scale() == S
-    s.scale((3 * w).sum())
-    s.abandon()
-    s.load_state_dict(saved)  # after abandon(): a boundary
     assert s.get_scale() == 8.0
+    with pytest.raises(RuntimeError, match=r"no rank called scale\(\)"):
+        s.step(opt)
+    assert torch.equal(w.detach(), torch.ones(4))  # nothing unscaled or stepped
+    opt.zero_grad()
+    s.scale((3 * w).sum()).backward()  # 8 * 3 per element, unscaled by 1/8
+    s.step(opt)
+    s.update()
+    assert torch.equal(w.detach(), torch.full((4,), 0.7)) and s.get_scale() == 8.0
+    s.scale((3 * w).sum()).backward()
+    s.step(opt)
+    with pytest.raises(RuntimeError, match="iteration boundary"):  # after step(): refused
+        s.load_state_dict(saved)

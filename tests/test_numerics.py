@@ -49,6 +49,20 @@ def test_numerics_per_group_are_the_hand_computed_figures(kind):
     assert n.as_dict() == {"headroom_bits": n.headroom_bits, "underflow": n.underflow}
 
 
+@pytest.mark.parametrize("scale", [2.0**10, 2.0**16])
+def test_fp16_gradients_count_their_underflow_at_any_scale(scale):
+    """fp16 parameters, unscaled fp16 gradients: 2**-14 / scale lies below fp16's smallest
+    subnormal from scale 2**11 on, so the comparison is made in fp32."""
+    w = torch.nn.Parameter(torch.zeros(4, dtype=torch.float16))
+    opt = torch.optim.SGD([w], lr=0.0)
+    scaler = ShardedGradScaler("cpu", init_scale=scale)
+    scaler.scale(torch.zeros((), requires_grad=True) * 0)
+    w.grad = (torch.tensor([0.0, 1e-9, 1e-3, 0.5]) * scale).half()  # 0, subnormal, 2 normal
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.numerics().groups[0].underflow == 0.5
+
+
 @pytest.mark.parametrize("kind", ["sgd", "adamw_fused"])
 def test_an_overflowing_step_has_negative_headroom(kind):
     n = _step(kind, values=[1.0, math.inf, 0.0, 0.0]).numerics()

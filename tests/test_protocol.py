@@ -103,6 +103,20 @@ def test_lazy_init_places_the_scale_before_the_first_scale_and_is_idempotent():
     assert s.scale(torch.ones(())).item() == 32.0
 
 
+def test_init_growth_tracker_is_writable_as_torchs_and_a_load_resets_it():
+    """torch's test_grad_scaling_state_dict writes it, then loads a checkpoint over it."""
+    s = ShardedGradScaler("cpu")
+    s._init_growth_tracker = 7
+    s._lazy_init_scale_growth_tracker("cpu")
+    assert s._growth_tracker.item() == 7  # the tracker the state is created with
+    with pytest.raises(ValueError, match="_init_growth_tracker"):
+        s._init_growth_tracker = -1
+    s = ShardedGradScaler("cpu")
+    s._init_growth_tracker = 7
+    s.load_state_dict(ShardedGradScaler("cpu", growth_interval=3).state_dict())
+    assert s._init_growth_tracker == 0 and s.get_growth_interval() == 3
+
+
 def test_torch_attribute_names_read_and_write_the_policy():
     s = ShardedGradScaler("cpu", growth_factor=3.0, backoff_factor=0.25, growth_interval=7)
     assert (s._growth_factor, s._backoff_factor, s._growth_interval) == (3.0, 0.25, 7)

@@ -334,17 +334,30 @@ def test_load_state_dict_mid_iteration_raises():
     scaler.load_state_dict(sd)  # fine at the boundary
 
 
-def test_copies_are_refused_once_scale_was_called():
-    """After scale() the gradients hold the scale in force: a copy would start without that
-    iteration (its step() would find gradients no scale() of its own scaled)."""
+def test_copies_after_scale_carry_the_iteration_and_are_refused_once_stepped():
+    """As torch's: a copy (pickle, copy, deepcopy) may be made after scale() (the copy steps
+    the scaled gradients as the original would), not after unscale_/step."""
     import copy
     import pickle
 
-    scaler = ShardedGradScaler("cpu")
-    model = make_mlp()
-    scaler.scale(loss_at(model, 0, {})).backward()
-    for fn in (copy.deepcopy, copy.copy, pickle.dumps):
-        with pytest.raises(RuntimeError, match="iteration boundary"):
+    for fn in (copy.deepcopy, copy.copy, lambda s: pickle.loads(pickle.dumps(s))):
+        results = []
+        for copied in (False, True):
+            torch.manual_seed(0)
+            model = make_mlp()
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            scaler = ShardedGradScaler("cpu", growth_interval=1)
+            scaler.scale(loss_at(model, 0, {})).backward()
+            if copied:
+                scaler = fn(scaler)
+            scaler.step(opt)
+            scaler.update()
+            results.append((scaler.get_scale(), [p.detach().clone() for p in model.parameters()]))
+        assert results[0][0] == results[1][0] == 2.0**17
+        assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1], strict=True))
+        scaler.scale(loss_at(model, 1, {})).backward()
+        scaler.step(opt)
+        with pytest.raises(RuntimeError, match=r"beginning of an iteration.*after update\(\)"):
             fn(scaler)
 
 

@@ -228,6 +228,18 @@ def _nonneg_int(name: str, value: object, maximum: int = INT64_MAX) -> int:
     return int(value)
 
 
+def warn_load_after_scale() -> None:
+    """The warning of a ``load_state_dict()`` after ``scale()`` (the iteration is abandoned)."""
+    warnings.warn(
+        "load_state_dict() after scale(): this iteration's gradients hold the scale before "
+        "the load, which the loaded one would wrongly unscale, so the iteration is abandoned "
+        "(as abandon()): zero the gradients and scale the loss again before step(). Load "
+        "before scale() to keep the iteration.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
 class Picklable:
     """Pickling, ``copy.copy`` and ``copy.deepcopy`` of a scaler, at an iteration boundary: the
     scale state as numbers (re-created on its device at the next ``scale()``), a fresh record;
@@ -244,11 +256,13 @@ class Picklable:
     process_group: Any
 
     def __getstate__(self) -> dict[str, Any]:
-        if self._it.started() or self._it.scaled_here:  # gradients hold the scale in force
+        if self._it.started():  # as torch's: refused once an optimizer was unscaled or stepped
             raise RuntimeError(
-                "A ShardedGradScaler may only be pickled or copied at an iteration boundary "
-                "(before scale() or after update())."
+                "A ShardedGradScaler may only be pickled or copied at the beginning of an "
+                "iteration (before unscale_(), clip_grad_norm_() or step()) or after update()."
             )
+        it = Iteration()
+        it.scaled_here = self._it.scaled_here  # after scale(): the copy steps those gradients
         state = self.__dict__.copy()
         numbers = self._loss_scale.read()[0] if self._enabled else self._loss_scale.numbers
         state.update(
@@ -256,7 +270,7 @@ class Picklable:
             _headroom=Headroom(self._headroom.read()),
             _bounds=HostBounds.at(numbers.scale),
             _alarm=None,
-            _it=Iteration(),
+            _it=it,
             _calls=CallLog(),
             _schedule=Schedule(),
             _reporter=Reporter(ParamNames()),

@@ -218,6 +218,16 @@ class ScalerConfig:
         return max(self.min_scale, 1.0) if self.headroom else self.min_scale
 
     @property
+    def floor(self) -> float:
+        """The scale the backoffs stop at (a backoff due there is a collapse): ``min_scale``;
+        with ``policy="headroom"``, whose scales are powers of two, the smallest power of two
+        >= :attr:`lowest` (:attr:`lowest` where ``[lowest, max_scale]`` holds none)."""
+        if not self.headroom:
+            return self.min_scale
+        power = 2.0 ** math.ceil(math.log2(self.lowest))
+        return power if power <= self.max_scale else self.lowest
+
+    @property
     def plain(self) -> bool:
         """torch's rule with bounds: dynamic, every overflow backs off (hysteresis 1), no skip
         guard. Its update is torch's kernel and the counters (``_policy``'s plain path)."""

@@ -158,7 +158,7 @@ def step_(
             ``hysteresis=1`` the overflow's branches are left out (:func:`_clean_step_`).
 
     Returns:
-        ``(collapsed, old_scale)``: 0-d bool (a backoff due at or below ``config.lowest``, or
+        ``(collapsed, old_scale)``: 0-d bool (a backoff due at or below ``config.floor``, or
         ``max_consecutive_skips`` reached; None when ``clean``: none is possible) and a 0-d
         copy of the scale before the update.
     """
@@ -187,7 +187,9 @@ def step_(
     # with `measured` (a joined rank, told the agreed amax only, pushes what the others push)
     history.copy_(shifted if measured else torch.where(entry >= 0, shifted, history))
     peak = history.max()
-    new = torch.minimum(_target(peak, config, world), old * rule.limits.gather(0, k.view(1)).view(()))
+    new = torch.minimum(
+        _target(peak, config, world), old * rule.limits.gather(0, k.view(1)).view(())
+    )
     _clamp_(new, config)
     known = peak > 0  # an empty history keeps the scale
     torch.where(known if simple else known & ~absorbed, new, old, out=scale)
@@ -197,7 +199,7 @@ def step_(
         refill = (grew | ~overflow) if config.consecutive_hysteresis else grew
         ht.copy_(torch.where(refill, config.hysteresis, ht_after))
     count_(state.counters, found_inf, shrank, grew, unit, binary)
-    collapsed = backoff_due & (old <= config.lowest)
+    collapsed = backoff_due & (old <= config.floor)
     if config.max_consecutive_skips is not None:
         collapsed = collapsed | (state.counters[2] >= config.max_consecutive_skips)
     return collapsed, old
@@ -289,8 +291,8 @@ class Headroom:
         pending: 0-d float32, the MAX of this iteration's agreed amaxes (< 0: not measured),
             or None before the first check.
         world: the ranks the amax covers (product of the agreement groups' sizes).
-        updates: updates seen by this object with ``measure_every`` > 1 (host count: its
-            phase).
+        updates: updates counted (the steps counter's value, kept on the host with
+            ``measure_every`` > 1: its phase; restored from a checkpoint's counters).
     """
 
     def __init__(self, numbers: HeadroomNumbers | None = None) -> None:
@@ -367,6 +369,14 @@ class Headroom:
         """The state as numbers (one host read once placed)."""
         return self.numbers if self.tensors is None else read(self.tensors)
 
-    def load(self, numbers: HeadroomNumbers) -> None:
-        """Install validated ``numbers`` (the tensors are re-created at the next update)."""
+    def load(self, numbers: HeadroomNumbers, updates: int = 0) -> None:
+        """Install validated ``numbers`` (the tensors are re-created at the next update) and
+        ``updates`` (the checkpoint's count of updates: ``measure_every``'s phase)."""
         self.numbers, self.tensors, self.pending = numbers, None, None
+        self.updates = updates
+
+    def set_scale(self, counted: bool) -> None:
+        """``update(new_scale)``: the amax is dropped; an iteration that counted (checked,
+        as for the steps counter) counts for ``measure_every``'s phase."""
+        self.pending = None
+        self.updates += counted

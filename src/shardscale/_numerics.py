@@ -102,6 +102,8 @@ def _part_values(grads: list[torch.Tensor], factor: float) -> torch.Tensor:
         for g in grads:
             for piece in g.reshape(-1).split(_PIECE):
                 a = piece.abs()
+                if a.dtype not in (torch.float32, torch.float64):
+                    a = a.float()  # fp16: 2**-14 / scale may lie below its smallest subnormal
                 amax = torch.maximum(amax, a.max().float())
                 squares = squares + a.double().square().sum()
                 under = under + (a < threshold).sum()

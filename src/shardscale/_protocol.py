@@ -10,6 +10,7 @@ tells the truth. It reads the scaler's own state: ``_loss_scale`` (a
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any
 
@@ -125,6 +126,7 @@ class TorchInternals:
             self._lazy_init_scale_growth_tracker(value.device)
             self._loss_scale.tensors.growth_tracker = value
 
+    # torch's initial values, used when the state is created (lazily, or after a load)
     @property
     def _init_scale(self) -> float:
         return self._loss_scale.numbers.scale
@@ -132,6 +134,13 @@ class TorchInternals:
     @property
     def _init_growth_tracker(self) -> int:
         return self._loss_scale.numbers.growth_tracker
+
+    @_init_growth_tracker.setter
+    def _init_growth_tracker(self, value: int) -> None:  # writable as in torch (its tests set it)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"_init_growth_tracker must be an int >= 0; got {value!r}.")
+        numbers = self._loss_scale.numbers
+        self._loss_scale.numbers = dataclasses.replace(numbers, growth_tracker=value)
 
     # torch's attributes for the policy, read and written through the config
     _growth_factor = property(

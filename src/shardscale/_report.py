@@ -250,7 +250,7 @@ def collapse_error(
         "look for a NaN loss or input, a bad learning rate, an fp16 overflow in the forward "
         "pass (compute that op in fp32 or use bf16), or a log/div of zero."
     )
-    if config.max_consecutive_skips is not None and scale > round_f32(config.lowest):
+    if config.max_consecutive_skips is not None and scale > round_f32(config.floor):
         why = f"{config.max_consecutive_skips}+ consecutive skipped steps"
         # the scale may still be too high: e.g. a large init_scale backing off step by step
         cause = (
@@ -260,7 +260,8 @@ def collapse_error(
         )
     else:
         floor = (
-            f"its floor {config.lowest:g} (policy='headroom': max(min_scale, 1))"
+            f"its floor {config.floor:g} (policy='headroom': the smallest power of two >= "
+            "max(min_scale, 1))"
             if config.headroom
             else f"min_scale={config.min_scale:g}"
         )

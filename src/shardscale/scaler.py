@@ -334,7 +334,7 @@ class ShardedGradScaler(
         config, bounds = self._config, self._bounds
         if value is not None:
             old = self._loss_scale.set_(value, found_inf)  # the iteration is still counted
-            self._headroom.forget()
+            self._headroom.set_scale(found_inf is not None)
         else:
             if config.headroom:
                 unit = self._loss_scale.unit
@@ -580,22 +580,30 @@ class ShardedGradScaler(
         checkpoint is of the other mode. Rules and warnings: ``docs/checkpoints.md``.
         Everything is validated before anything changes: on error the scaler is as it was.
 
+        After :meth:`scale` (torch allows it) the iteration is abandoned with a warning: its
+        gradients hold the old scale, which the loaded one would wrongly unscale; a step of
+        them then raises (scale the loss again).
+
         Raises:
             RuntimeError: empty dict (saved from a disabled scaler), or called mid-iteration
-                (after :meth:`scale`: the gradients are the scale's in force).
+                (after ``unscale_``, ``clip_grad_norm_`` or ``step``).
             TypeError, ValueError: a missing key or a bad value, named in the message.
         """
         if not self._enabled:
             return
-        if self._it.started() or self._it.scaled_here:  # the gradients: the old scale's
+        if self._it.started():  # the gradients: unscaled or stepped by the old scale
             raise RuntimeError(
-                "load_state_dict() was called in the middle of an iteration (after scale(), "
-                "unscale_ or step): load at an iteration boundary (after update() or abandon())."
+                "load_state_dict() was called in the middle of an iteration (after unscale_, "
+                "clip_grad_norm_ or step): load at an iteration boundary (after update() or "
+                "abandon())."
             )
         own = self._loss_scale.read()[0]  # kept if the checkpoint is of the other mode
         loaded = _checkpoint.parse_state_dict(state_dict, self._config, self._asked, own)
+        if self._it.scaled_here:  # its gradients hold the old scale
+            _checkpoint.warn_load_after_scale()
+            self.abandon()
         self._loss_scale.load(loaded.numbers)
-        self._headroom.load(loaded.headroom)
+        self._headroom.load(loaded.headroom, loaded.counters[0])  # steps
         self._config = loaded.config
         self._it.loaded()  # a step before the next scale() is checkpoint plumbing
         self._verify = True
