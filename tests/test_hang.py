@@ -21,6 +21,7 @@ next; the default group keeps ``tests/_dist.py``'s 30 s):
 
 from __future__ import annotations
 
+import logging
 import time
 from datetime import timedelta
 
@@ -161,6 +162,25 @@ def _scenarios(rank: int, world_size: int) -> dict:
         scaler.update()
 
     out["swapped_order"] = _attempt(swapped_order)
+
+    # 7. rank 1 calls update() twice while rank 0 is in no scaler call (under DDP/FSDP: in a
+    # gradient collective): rank 1 logs its error first, and raises it when its all-reduce fails
+    g = _group()
+    models, opts, scaler = _setup(g)
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("shardscale").addHandler(handler)
+
+    def update_twice_alone():
+        _backward(models, scaler)
+        scaler.step(opts[0])
+        scaler.update()
+        if rank == 1:
+            scaler.update()
+
+    out["update_twice_alone"] = {**_attempt(update_twice_alone), "logged": records}
+    logging.getLogger("shardscale").removeHandler(handler)
     return out
 
 
@@ -200,3 +220,9 @@ def test_mismatched_ranks_fail_fast_with_clear_errors(tmp_path):
     for res in (r0["different_groups"], r1["different_groups"]):
         assert res["runtime_error"], res
         assert TIMEOUT_S - 0.5 <= res["elapsed"] < limit, res
+
+    # 7. the call-order error alone: logged at once, then raised from the all-reduce's failure
+    a, b = r0["update_twice_alone"], r1["update_twice_alone"]
+    assert a["error"] is None and not a["logged"], a
+    assert b["error"] == "RuntimeError" and "no optimizer was stepped" in b["message"], b
+    assert len(b["logged"]) == 1 and b["logged"][0].startswith("rank 1: update() was called"), b

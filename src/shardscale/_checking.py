@@ -26,6 +26,7 @@ Reads the scaler's ``_it``, ``_loss_scale``, ``_config``, ``_headroom``, ``_boun
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 from typing import Any, NoReturn
@@ -132,7 +133,17 @@ class Checking:
         if groups and tensors is not None:
             policy = _sync.policy_values(self._config)
             step, check = tensors.counters[0], self._it.checks
-            _sync.poison(code, step, check, _sync.rank(), groups, tensors.scale, policy)
+            # logged first: under DDP/FSDP the others may wait in another collective, which
+            # this all-reduce then breaks (an error, or gloo's abort of the process)
+            logging.getLogger("shardscale").error(
+                "rank %d: %s (telling the other ranks through the scaler's all-reduce)",
+                _sync.rank(),
+                message,
+            )
+            try:
+                _sync.poison(code, step, check, _sync.rank(), groups, tensors.scale, policy)
+            except Exception as exc:  # the others were not in the scaler's all-reduce
+                raise RuntimeError(message) from exc
         raise RuntimeError(message)
 
     # the scaler's (declared for readers and type checkers)
