@@ -43,6 +43,7 @@ def test_numerics_per_group_are_the_hand_computed_figures(kind):
     assert w.headroom_bits == pytest.approx(math.log2(65504 / 1024))
     assert b.headroom_bits == pytest.approx(math.log2(65504 / 2048))
     assert w.underflow == 0.5 and b.underflow == 0.0  # 1e-9 * 1024 and 0 vanish in fp16
+    assert w.zeros == 0.25 and b.zeros == 0.0 and n.zeros == pytest.approx(1 / 6)  # the 0
     assert w.grad_norm == pytest.approx(math.sqrt(sum(v * v for v in VALUES)))
     assert b.grad_norm == pytest.approx(math.sqrt(0.25 + 4.0))
     assert n.headroom_bits == b.headroom_bits and n.underflow == pytest.approx(2 / 6)
@@ -60,7 +61,9 @@ def test_fp16_gradients_count_their_underflow_at_any_scale(scale):
     w.grad = (torch.tensor([0.0, 1e-9, 1e-3, 0.5]) * scale).half()  # 0, subnormal, 2 normal
     scaler.step(opt)
     scaler.update()
-    assert scaler.numerics().groups[0].underflow == 0.5
+    group = scaler.numerics().groups[0]
+    assert group.underflow == 0.5
+    assert group.zeros == 0.5  # unscaled in place in fp16, 1e-9 became 0
 
 
 @pytest.mark.parametrize("kind", ["sgd", "adamw_fused"])

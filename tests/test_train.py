@@ -479,6 +479,7 @@ def test_policy_headroom_reaches_the_scaler_and_the_plot(tmp_path: Path) -> None
         "--steps", "5", "--no-progress", "--out", str(out),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
+    assert "growth_interval" not in proc.stderr  # not passed to a policy that has none
     rows = _rows(out)
     scales = [r["scale"] for r in rows]  # what loss_scale.png draws on its scale axis
     assert scales[0] == 1.0 and min(scales[1:]) >= 2.0**10  # measured: straight to the target
@@ -488,3 +489,5 @@ def test_policy_headroom_reaches_the_scaler_and_the_plot(tmp_path: Path) -> None
     assert summary["policy"] == "headroom" and summary["scaler_metrics"]["growths"] >= 1
     bad = _train("--parallel", "none", "--policy", "headroom", "--scaler", "torch")
     assert bad.returncode == 2 and "--policy headroom needs --scaler shardscale" in bad.stderr
+    bad = _train("--parallel", "none", "--policy", "headroom", "--precision", "bf16")
+    assert bad.returncode == 2 and "--policy headroom needs --precision fp16" in bad.stderr

@@ -44,6 +44,9 @@ class GroupNumerics:
             0; negative, -inf for an inf or NaN: it overflowed).
         underflow: fraction of elements whose scaled value is zero or subnormal in fp16
             (``|g * scale| < 2**-14``), in [0, 1].
+        zeros: fraction of elements exactly zero, in [0, underflow]: gradients the step left
+            at 0 (an embedding's rows no token used, a masked input) count as underflow too,
+            and ``underflow - zeros`` is the fraction that is subnormal.
         grad_norm: the unscaled L2 norm of these local gradients.
         amax: the unscaled largest absolute value (inf/NaN after an overflow).
         numel: elements measured.
@@ -56,6 +59,7 @@ class GroupNumerics:
     grad_norm: float
     amax: float
     numel: int
+    zeros: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,19 +88,27 @@ class Numerics:
         total = sum(g.numel for g in self.groups)
         return sum(g.underflow * g.numel for g in self.groups) / total if total else 0.0
 
+    @property
+    def zeros(self) -> float:
+        """The fraction of all measured elements exactly zero (part of :attr:`underflow`)."""
+        total = sum(g.numel for g in self.groups)
+        return sum(g.zeros * g.numel for g in self.groups) / total if total else 0.0
+
     def as_dict(self) -> dict[str, float]:
         """The headline figures for loggers: ``headroom_bits``, ``underflow``."""
         return {"headroom_bits": self.headroom_bits, "underflow": self.underflow}
 
 
 def _part_values(grads: list[torch.Tensor], factor: float) -> torch.Tensor:
-    """``[amax, sum of squares, underflowing elements]`` of ``grads`` as they are stored (a
+    """``[amax, sum of squares, underflowing elements, zero elements]`` of ``grads`` as they
+    are stored (a
     float64 tensor on their device, not read), ``factor`` times the stored values being the
     scaled ones."""
     device = grads[0].device
     amax = torch.zeros((), dtype=torch.float32, device=device)
     squares = torch.zeros((), dtype=torch.float64, device=device)
     under = torch.zeros((), dtype=torch.int64, device=device)
+    zeros = torch.zeros((), dtype=torch.int64, device=device)
     threshold = FP16_TINY / factor
     with torch.no_grad():
         for g in grads:
@@ -107,7 +119,8 @@ def _part_values(grads: list[torch.Tensor], factor: float) -> torch.Tensor:
                 amax = torch.maximum(amax, a.max().float())
                 squares = squares + a.double().square().sum()
                 under = under + (a < threshold).sum()
-    return torch.stack([amax.double(), squares, under.double()])
+                zeros = zeros + (a == 0).sum()
+    return torch.stack([amax.double(), squares, under.double(), zeros.double()])
 
 
 def _unit_types() -> tuple[type, ...]:
@@ -180,9 +193,10 @@ def measure(
             factor = 1.0 if still_scaled else scale  # stored value * factor = scaled value
             parts = _split(group["params"], pairs, units)
             values = torch.stack([_part_values(grads, factor) for _, grads in parts]).tolist()
-            for (label, grads), (amax, squares, under) in zip(parts, values, strict=True):
+            for (label, grads), (amax, squares, under, zeros) in zip(parts, values, strict=True):
                 name, numel = f"optimizer {i}, group {j}{label}", sum(g.numel() for g in grads)
-                out.append(_figures(name, rank, scale, factor, amax, squares, under, numel))
+                figures = _figures(name, rank, scale, factor, amax, squares, under, numel)
+                out.append(dataclasses.replace(figures, zeros=zeros / numel))
     return out
 
 

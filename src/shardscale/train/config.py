@@ -191,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--growth-interval",
         type=_positive_int,
         default=d.growth_interval,
-        help="clean steps before the scale doubles",
+        help="clean steps before the scale doubles (--policy torch)",
     )
     g.add_argument(
         "--max-consecutive-skips",
@@ -343,6 +343,11 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
         check_text_file(cfg.text, cfg.seq_len)
     if cfg.policy != "torch" and cfg.scaler != "shardscale":
         raise ConfigError(f"--policy {cfg.policy} needs --scaler shardscale (torch's has none).")
+    if cfg.policy != "torch" and cfg.precision != "fp16":
+        raise ConfigError(
+            f"--policy {cfg.policy} needs --precision fp16: {cfg.precision} trains without a "
+            "loss scale (the scaler's guard)."
+        )
     check_scaler_options(cfg)
     if not (math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0):
         raise ConfigError(f"--weight-decay must be a finite number >= 0, got {cfg.weight_decay}.")
@@ -378,6 +383,8 @@ def check_scaler_options(cfg: TrainConfig) -> None:
     from shardscale import ShardedGradScaler
 
     values = {name: getattr(cfg, name) for name in _SCALER_OPTIONS}
+    if cfg.policy == "headroom":
+        del values["growth_interval"]  # unused there: the workers' scaler is built without it
     try:
         ShardedGradScaler("cpu", **values)
     except (TypeError, ValueError) as e:

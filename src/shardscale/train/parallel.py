@@ -97,13 +97,17 @@ def make_scaler(cfg: TrainConfig, device: torch.device) -> Any:
     """
     if cfg.scaler == "shardscale":
         if cfg.precision == "fp16":
+            # policy="headroom" has no growth interval (the scaler would warn it is unused)
+            torch_rule = (
+                {} if cfg.policy == "headroom" else {"growth_interval": cfg.growth_interval}
+            )
             return ShardedGradScaler(
                 device.type,
                 init_scale=cfg.init_scale,
-                growth_interval=cfg.growth_interval,
                 max_consecutive_skips=cfg.max_consecutive_skips,
                 # the default follows a resumed checkpoint's policy, as before --policy existed
                 policy=None if cfg.policy == "torch" else cfg.policy,
+                **torch_rule,
             )
         return ShardedGradScaler.guard(max_consecutive_skips=cfg.max_consecutive_skips)
     if cfg.precision != "fp16":
