@@ -134,7 +134,7 @@ def step_(
     """One update of ``policy="headroom"`` (module docstring), in place: ``state``'s scale,
     trackers and counters and ``rule``'s history. Tensor ops only, no host read: 35 small
     ones with the defaults (the margin's constants folded on the host, the history a shift
-    register, the k-th backoff's factor looked up in :attr:`HeadroomState.limits`); 17 when
+    register, the k-th backoff's factor looked up in :attr:`HeadroomState.limits`); 23 when
     the host read the iteration's flags clean (``clean``: no backoff, no collapse possible).
 
     The hysteresis is :func:`shardscale._policy.step_`'s: an overflow it absorbs keeps the
@@ -235,7 +235,7 @@ def _clean_step_(
 ) -> torch.Tensor:
     """:func:`step_` with ``hysteresis=1`` when the host knows the iteration was clean
     (``found_inf`` is 0): the measured entry pushed, the scale set to the history's target,
-    no backoff in a row, nothing to absorb, no collapse (17 ops). Returns the old scale."""
+    no backoff in a row, nothing to absorb, no collapse (23 ops). Returns the old scale."""
     scale, gt, k = state.scale, state.growth_tracker, rule.backoffs
     old = scale.clone()
     k.zero_()
