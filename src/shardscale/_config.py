@@ -331,19 +331,25 @@ DEFAULT_INIT_SCALE = 2.0**16
 def device_type(device: object) -> str:
     """The device type a constructor's ``device`` names: a str (``"cuda"``, ``"cuda:1"``), a
     ``torch.device``, or any object whose ``.type`` is one (as torch's ``GradScaler`` takes
-    it); None: ``"cuda"`` if available, else ``"cpu"``.
+    it); None: ``"cuda"`` if available, else ``"cpu"``. Anything else is taken as None with
+    a warning: torch's scaler stores it unused (Lightning's own tests pass a ``Mock``), the
+    scale goes where the first scaled loss is.
 
     Raises:
-        TypeError: anything else. ValueError: a string torch does not know as a device.
+        ValueError: a string torch does not know as a device.
     """
+    default = "cuda" if torch.cuda.is_available() else "cpu"
     if device is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return default
     kind = device if isinstance(device, str) else getattr(device, "type", None)
     if not isinstance(kind, str):
-        raise TypeError(
-            "device must be a str, a torch.device or an object whose .type is a device type "
-            f"string, got {type(device).__name__}."
+        warnings.warn(
+            f"device={type(device).__name__} names no device (a str, a torch.device or an "
+            f"object whose .type is a device type string): taken as {default!r}, and the scale "
+            "is placed where the first scaled loss is. Pass a device such as 'cuda'.",
+            stacklevel=4,
         )
+        return default
     try:
         return torch.device(kind).type
     except RuntimeError as e:
