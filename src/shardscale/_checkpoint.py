@@ -228,6 +228,17 @@ def _nonneg_int(name: str, value: object, maximum: int = INT64_MAX) -> int:
     return int(value)
 
 
+def check_load_boundary(started: bool) -> None:
+    """Refuse a load in the middle of an iteration (``started``: after ``unscale_``,
+    ``clip_grad_norm_`` or ``step``, the gradients unscaled or stepped by the old scale)."""
+    if started:
+        raise RuntimeError(
+            "load_state_dict() was called in the middle of an iteration (after unscale_, "
+            "clip_grad_norm_ or step): load at an iteration boundary (after update() or "
+            "abandon())."
+        )
+
+
 def warn_load_after_scale() -> None:
     """The warning of a ``load_state_dict()`` after ``scale()`` (the iteration is abandoned)."""
     warnings.warn(

@@ -331,16 +331,22 @@ DEFAULT_INIT_SCALE = 2.0**16
 def device_type(device: object) -> str:
     """The device type a constructor's ``device`` names: a str (``"cuda"``, ``"cuda:1"``), a
     ``torch.device``, or any object whose ``.type`` is one (as torch's ``GradScaler`` takes
-    it); None: ``"cuda"`` if available, else ``"cpu"``. Anything else is taken as None with
+    it); None: ``"cuda"`` if available, else ``"cpu"``. Another object is taken as None with
     a warning: torch's scaler stores it unused (Lightning's own tests pass a ``Mock``), the
     scale goes where the first scaled loss is.
 
     Raises:
-        ValueError: a string torch does not know as a device.
+        TypeError: a number, bytes or a container. ValueError: a string torch does not know
+            as a device.
     """
     default = "cuda" if torch.cuda.is_available() else "cpu"
     if device is None:
         return default
+    if isinstance(device, (numbers.Number, bytes, list, tuple, dict, set)):
+        raise TypeError(
+            "device must be a str, a torch.device or an object whose .type is a device type "
+            f"string, got {type(device).__name__}."
+        )
     kind = device if isinstance(device, str) else getattr(device, "type", None)
     if not isinstance(kind, str):
         warnings.warn(

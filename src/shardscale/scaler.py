@@ -580,9 +580,8 @@ class ShardedGradScaler(
         checkpoint is of the other mode. Rules and warnings: ``docs/checkpoints.md``.
         Everything is validated before anything changes: on error the scaler is as it was.
 
-        After :meth:`scale` (torch allows it) the iteration is abandoned with a warning: its
-        gradients hold the old scale, which the loaded one would wrongly unscale; a step of
-        them then raises (scale the loss again).
+        After :meth:`scale` (torch allows it) the iteration is abandoned with a warning (its
+        gradients hold the old scale): scale the loss again before stepping.
 
         Raises:
             RuntimeError: empty dict (saved from a disabled scaler), or called mid-iteration
@@ -591,12 +590,7 @@ class ShardedGradScaler(
         """
         if not self._enabled:
             return
-        if self._it.started():  # the gradients: unscaled or stepped by the old scale
-            raise RuntimeError(
-                "load_state_dict() was called in the middle of an iteration (after unscale_, "
-                "clip_grad_norm_ or step): load at an iteration boundary (after update() or "
-                "abandon())."
-            )
+        _checkpoint.check_load_boundary(self._it.started())
         own = self._loss_scale.read()[0]  # kept if the checkpoint is of the other mode
         loaded = _checkpoint.parse_state_dict(state_dict, self._config, self._asked, own)
         if self._it.scaled_here:  # its gradients hold the old scale
