@@ -155,7 +155,7 @@ def step_(
         binary: ``found_inf`` is 0 or 1 (one optimizer's agreed flag), not a count.
         clean: the host read every flag of the iteration and none was set (non-fused steps:
             :meth:`shardscale._iteration.Iteration.seen_clean`), so ``found_inf`` is 0: with
-            ``hysteresis=1`` the overflow's branches are left out (:func:`_clean_step_`).
+            ``hysteresis=1`` the overflow's branches are left out.
 
     Returns:
         ``(collapsed, old_scale)``: 0-d bool (a backoff due at or below ``config.floor``, or
@@ -163,19 +163,23 @@ def step_(
         copy of the scale before the update.
     """
     simple = config.hysteresis == 1 and not config.consecutive_hysteresis
-    if clean and simple:
-        return None, _clean_step_(state, rule, found_inf, amax, config, world, measured, unit)
+    clean = clean and simple  # with hysteresis the tracker's refill still follows the rule
     scale, gt, ht, k = state.scale, state.growth_tracker, state.hysteresis_tracker, rule.backoffs
     old = scale.clone()
-    overflow = found_inf > 0
     # backoffs in a row (saturating at MAX_RUN: the table's last factor) and the entry: an
     # overflow's pseudo entry PSEUDO / scale puts the history's target below the scale
     pseudo = FP16_MAX * PSEUDO_SLACK * 2.0 ** -margin_bits(config, world)
-    if simple:
+    if clean:  # found_inf is 0: no backoff, nothing absorbed, the measured entry
+        overflow = backoff_due = absorbed = None
+        k.zero_()
+        entry = amax / old
+    elif simple:
+        overflow = found_inf > 0
         backoff_due, absorbed = overflow, None
         k.add_(1).clamp_max_(MAX_RUN).mul_(overflow)
         entry = amax.masked_fill(overflow, pseudo) / old
     else:
+        overflow = found_inf > 0
         ht_after = torch.where(overflow, (ht - 1).clamp_min(0), ht)
         backoff_due = overflow & (ht_after == 0)
         absorbed = overflow & ~backoff_due
@@ -187,18 +191,21 @@ def step_(
     # with `measured` (a joined rank, told the agreed amax only, pushes what the others push)
     history.copy_(shifted if measured else torch.where(entry >= 0, shifted, history))
     peak = history.max()
-    new = torch.minimum(
-        _target(peak, config, world), old * rule.limits.gather(0, k.view(1)).view(())
-    )
+    new = _target(peak, config, world)
+    if not clean:  # the k-th backoff in a row's bound (none after a clean step: inf)
+        new = torch.minimum(new, old * rule.limits.gather(0, k.view(1)).view(()))
     _clamp_(new, config)
     known = peak > 0  # an empty history keeps the scale
-    torch.where(known if simple else known & ~absorbed, new, old, out=scale)
+    torch.where(known if absorbed is None else known & ~absorbed, new, old, out=scale)
     grew, shrank = scale > old, scale < old
-    gt.add_(1).clamp_max_(config.growth_interval - 1).masked_fill_(overflow | grew, 0)
+    reset = grew if clean else overflow | grew
+    gt.add_(1).clamp_max_(config.growth_interval - 1).masked_fill_(reset, 0)
     if not simple:
         refill = (grew | ~overflow) if config.consecutive_hysteresis else grew
         ht.copy_(torch.where(refill, config.hysteresis, ht_after))
-    count_(state.counters, found_inf, shrank, grew, unit, binary)
+    count_(state.counters, found_inf, shrank, grew, unit, binary or clean)
+    if clean:
+        return None, old  # no backoff: no collapse; consecutive skips reset
     collapsed = backoff_due & (old <= config.floor)
     if config.max_consecutive_skips is not None:
         collapsed = collapsed | (state.counters[2] >= config.max_consecutive_skips)
@@ -221,36 +228,6 @@ def _clamp_(new: torch.Tensor, config: ScalerConfig) -> None:
     new.clamp_(2.0**lo_e, 2.0**hi_e)
     if 2.0**hi_e > config.max_scale:  # no power of two in [lowest, max_scale]
         new.clamp_(config.lowest, config.max_scale)
-
-
-def _clean_step_(
-    state: ScaleState,
-    rule: HeadroomState,
-    found_inf: torch.Tensor,
-    amax: torch.Tensor,
-    config: ScalerConfig,
-    world: int,
-    measured: bool,
-    unit: torch.Tensor | None,
-) -> torch.Tensor:
-    """:func:`step_` with ``hysteresis=1`` when the host knows the iteration was clean
-    (``found_inf`` is 0): the measured entry pushed, the scale set to the history's target,
-    no backoff in a row, nothing to absorb, no collapse (23 ops). Returns the old scale."""
-    scale, gt, k = state.scale, state.growth_tracker, rule.backoffs
-    old = scale.clone()
-    k.zero_()
-    entry = amax / old
-    history = rule.history
-    shifted = torch.cat([history[1:], entry.reshape(1)])
-    history.copy_(shifted if measured else torch.where(entry >= 0, shifted, history))
-    peak = history.max()
-    new = _target(peak, config, world)
-    _clamp_(new, config)
-    torch.where(peak > 0, new, old, out=scale)  # an empty history keeps the scale
-    grew, shrank = scale > old, scale < old
-    gt.add_(1).clamp_max_(config.growth_interval - 1).masked_fill_(grew, 0)
-    count_(state.counters, found_inf, shrank, grew, unit, True)
-    return old
 
 
 def next_state(
