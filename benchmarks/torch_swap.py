@@ -38,21 +38,8 @@ if IMPL == "shardscale":
             f"Please use `torch.amp.GradScaler('{device}', args...)` instead.",
             category=FutureWarning,
         )
-        def make(
-            init_scale=2.0**16,
-            growth_factor=2.0,
-            backoff_factor=0.5,
-            growth_interval=2000,
-            enabled=True,
-        ):
-            return ShardedGradScaler(
-                device,
-                init_scale=init_scale,
-                growth_factor=growth_factor,
-                backoff_factor=backoff_factor,
-                growth_interval=growth_interval,
-                enabled=enabled,
-            )
+        def make(*args, **kwargs):  # torch's order after the device, as shardscale's
+            return ShardedGradScaler(device, *args, **kwargs)
 
         return make
 

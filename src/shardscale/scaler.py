@@ -574,14 +574,10 @@ class ShardedGradScaler(
         """Load a state from :meth:`state_dict` or from ``torch.amp.GradScaler.state_dict()``.
 
         The scale, trackers, counters and torch's policy keys come from the checkpoint, as
-        torch; so do shardscale's policy fields, except those the constructor set away from
-        their defaults (and a named ``policy``), kept with a warning; the mode (fp16 or the
-        :meth:`guard`) is always the constructor's, its scale and trackers kept when the
-        checkpoint is of the other mode. Rules and warnings: ``docs/checkpoints.md``.
-        Everything is validated before anything changes: on error the scaler is as it was.
-
-        After :meth:`scale` (torch allows it) the iteration is abandoned with a warning (its
-        gradients hold the old scale): scale the loss again before stepping.
+        torch; so do shardscale's policy fields, except those the constructor set (kept, with
+        a warning); the mode (fp16 or :meth:`guard`) is always the constructor's. Validated
+        before anything changes. After :meth:`scale` (torch allows it) the iteration is
+        abandoned with a warning. Rules and warnings: ``docs/checkpoints.md``.
 
         Raises:
             RuntimeError: empty dict (saved from a disabled scaler), or called mid-iteration
