@@ -15,7 +15,10 @@ What it does:
    ``policy="headroom"``'s scales against the rule applied by hand to the measured amax.
 2. Host syncs per iteration measured by CUDA itself (``torch.cuda.set_sync_debug_mode("warn")``):
    expected 0 with a fused optimizer, 1 otherwise (the skip decision), also on the clip path.
-3. The ``benchmarks/bench.py`` table on CUDA, plus unscale bandwidth vs a measured device-to-device
+3. ``policy="headroom"``'s cost in real fp16 training on CUDA (``benchmarks/policies.py --cost
+   --device cuda``: the digits MLP and the character transformer, AdamW fused and not; target:
+   the headroom policy's added time at most 2 % of a step, whole steps in the last column).
+4. The ``benchmarks/bench.py`` table on CUDA, plus unscale bandwidth vs a measured device-to-device
    copy of the same bytes (target: unscale >= 90% of the copy bandwidth), both by wall clock
    (host overhead included) and by the kernels' device time from the torch profiler.
 
@@ -44,10 +47,17 @@ _HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(_HERE.parent / "tests"))
 from _oracle import PyScaleState, reference_step  # noqa: E402  (the tests' policy oracle)
 
-_spec = importlib.util.spec_from_file_location("gpu_check_bench", _HERE / "bench.py")
-bench = importlib.util.module_from_spec(_spec)
-sys.modules["gpu_check_bench"] = bench  # dataclasses look their module up there
-_spec.loader.exec_module(bench)
+
+def _load(name: str, file: str):
+    """The benchmark script ``file`` beside this one, imported as ``name``."""
+    spec = importlib.util.spec_from_file_location(name, _HERE / file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load("gpu_check_bench", "bench.py")
 
 
 def _model(device: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -387,6 +397,13 @@ def main(argv: list[str] | None = None) -> int:
             n = count_syncs("cuda", fused, clip, policy)
             name = f"host syncs policy={policy} fused={fused} clip={clip}"
             check(name, n <= expect, f"{n} (target <= {expect})")
+
+    print("\npolicy='headroom' cost on CUDA (benchmarks/policies.py --cost --device cuda):")
+    try:
+        policies = _load("gpu_check_policies", "policies.py")
+        policies.main(["--cost", "--device", "cuda", "--rounds", "5" if args.quick else "21"])
+    except Exception as e:  # report, keep going (e.g. scikit-learn missing: the [train] extra)
+        print(f"  n/a ({type(e).__name__}: {e})")
 
     sizes = [2_000_000, 10_000_000] if args.quick else [10_000_000, 50_000_000, 100_000_000]
     cfg = bench.Config(sizes=sizes, dtypes=["fp32", "fp16", "bf16"], rounds=10, device="cuda")

@@ -4,6 +4,7 @@
     python benchmarks/policies.py --quick                # smoke test: digits, 12 steps (seconds)
     python benchmarks/policies.py --tasks digits --steps 300 --plot docs/img/policies.png
     python benchmarks/policies.py --cost                 # the paired time per step (~2 min)
+    python benchmarks/policies.py --cost --device cuda   # the same on a GPU (benchmarks/gpu_check.py)
     python benchmarks/policies.py --cold                 # small ops right after a backward pass
 
 The demo's models (``shardscale train``: the digits MLP, and the character transformer of
@@ -139,44 +140,53 @@ def run(task: str, fused: bool, kind: str, init_e: int, steps: int, seed: int, d
     }  # fmt: skip
 
 
-def _stepper(task: str, fused: bool, kind: str, seed: int, ds: Any, measure_every: int = 1):
+def _stepper(
+    task: str, fused: bool, kind: str, seed: int, ds: Any, measure_every: int = 1,
+    device: str = "cpu",
+):  # fmt: skip
     """One contender of :func:`cost`: a function running ``n`` training steps (the demo's
-    model from ``seed``, fixed LR, batches cycling from step 1) with a ``ShardedGradScaler``
-    of ``policy=kind`` from 2**16 (no overflow in these models), or torch's ``GradScaler``
-    (``kind="torch.amp"``)."""
+    model from ``seed`` on ``device``, fixed LR, batches cycling from step 1, made beforehand)
+    with a ``ShardedGradScaler`` of ``policy=kind`` from 2**16 (no overflow in these models),
+    or torch's ``GradScaler`` (``kind="torch.amp"``)."""
     cfg = _cfg(task, 10**6, seed)
     torch.manual_seed(seed)
-    net = smodel.build(cfg, ds)
+    net = smodel.build(cfg, ds).to(device)
     opt = torch.optim.AdamW(net.parameters(), lr=cfg.lr, fused=fused)
     batches = sdata.Batches(ds, cfg, 0, 1)
+    data = [tuple(t.to(device) for t in batches.get(i)) for i in range(1, 65)]
     if kind == "torch.amp":
-        scaler: Any = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+        scaler: Any = torch.amp.GradScaler(device, init_scale=2.0**16)
     else:
         scaler = ShardedGradScaler(
-            "cpu", init_scale=2.0**16, policy=kind, measure_every=measure_every
+            device, init_scale=2.0**16, policy=kind, measure_every=measure_every
         )
     state = {"step": 0}
 
     def steps(n: int) -> float:
-        """``n`` steps; returns the seconds spent in ``scaler.step`` and ``scaler.update``."""
+        """``n`` steps (the device synchronised at the end); returns the host's seconds in
+        ``scaler.step`` and ``scaler.update`` (off the CPU: launching their work)."""
         inside = 0.0
         for _ in range(n):
             state["step"] += 1
-            x, y = batches.get(state["step"])
+            x, y = data[state["step"] % len(data)]
             opt.zero_grad(set_to_none=True)
-            with torch.autocast("cpu", dtype=torch.float16):
+            with torch.autocast(device, dtype=torch.float16):
                 loss = _loss(net(x), y)
             scaler.scale(loss).backward()
             t0 = time.perf_counter()
             scaler.step(opt)
             scaler.update()
             inside += time.perf_counter() - t0
+        if device != "cpu":
+            getattr(torch, torch.device(device).type).synchronize()
         return inside
 
     return steps
 
 
-def cost(task: str, fused: bool, seed: int, ds: Any, rounds: int, per_round: int) -> dict:
+def cost(
+    task: str, fused: bool, seed: int, ds: Any, rounds: int, per_round: int, device: str = "cpu"
+) -> dict:
     """The cost of ``policy="headroom"`` (and ``measure_every=4``) against ``policy="torch"`` of
     the same scaler, and of shardscale against ``torch.amp.GradScaler``: interleaved rounds
     (each runs every contender ``per_round`` steps, the order rotated), medians of same-round
@@ -188,7 +198,9 @@ def cost(task: str, fused: bool, seed: int, ds: Any, rounds: int, per_round: int
     CPU), so whole-step ratios mix that in."""
     kinds = ("torch", "headroom", "headroom/4", "torch.amp")
     run_ = {
-        k: _stepper(task, fused, k.split("/")[0], seed, ds, int(k.split("/")[1]) if "/" in k else 1)
+        k: _stepper(
+            task, fused, k.split("/")[0], seed, ds, int(k.split("/")[1]) if "/" in k else 1, device
+        )
         for k in kinds
     }
     for k in kinds:
@@ -212,7 +224,7 @@ def cost(task: str, fused: bool, seed: int, ds: Any, rounds: int, per_round: int
         return median([x / y for x, y in zip(times[a], times[b], strict=True)])
 
     return {
-        "task": task, "opt": "fused" if fused else "adamw",
+        "task": task, "opt": "fused" if fused else "adamw", "device": device,
         "step_ms": 1e3 * median(times["torch"]),
         "calls_ms": {k: 1e3 * median(v) for k, v in inside.items()},
         "headroom": added("headroom", "torch"), "headroom/4": added("headroom/4", "torch"),
@@ -346,6 +358,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--cold", action="store_true", help="only the cold-operation probe")
     ap.add_argument("--rounds", type=int, default=11, help="--cost: interleaved rounds")
     ap.add_argument("--per-round", type=int, default=5, help="--cost: steps per round")
+    ap.add_argument("--device", default="cpu", help="--cost: the device (cpu, cuda)")
     a = ap.parse_args(argv)
     if a.quick:
         a.tasks, a.opts, a.inits, a.steps = "digits", "adamw", "0,24", 12
@@ -362,8 +375,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for task in a.tasks.split(","):
             ds = sdata.load(_cfg(task, a.steps, a.seed))
             for opt in a.opts.split(","):
-                rows.append(cost(task, opt == "fused", a.seed, ds, a.rounds, a.per_round))
-        print(f"load average {os.getloadavg()[0]:.2f}", file=sys.stderr)
+                rows.append(cost(task, opt == "fused", a.seed, ds, a.rounds, a.per_round, a.device))
+        print(f"load average {os.getloadavg()[0]:.2f}, device {a.device}", file=sys.stderr)
         print(cost_table(rows))
         return rows
     rows = []

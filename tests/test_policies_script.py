@@ -31,3 +31,20 @@ def test_quick_run(tmp_path: Path) -> None:
     head_24 = next(r for r in rows if r["scaler"] == "headroom" and r["init_e"] == 24)
     assert head_24["skips_1_20"] <= torch_24["skips_1_20"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cost_mode_runs_every_contender_on_the_device_given() -> None:
+    """``--cost`` (the mode ``benchmarks/gpu_check.py`` runs with ``--device cuda``): one row
+    per optimizer, every contender timed (no timing asserted)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        rows = policies.main(
+            ["--cost", "--tasks", "digits", "--rounds", "1", "--per-round", "1", "--device", "cpu"]
+        )
+    assert [(r["task"], r["opt"], r["device"]) for r in rows] == [
+        ("digits", "adamw", "cpu"), ("digits", "fused", "cpu")
+    ]  # fmt: skip
+    for r in rows:
+        assert set(r["calls_ms"]) == {"torch", "headroom", "headroom/4", "torch.amp"}
+        assert all(v > 0 for v in r["calls_ms"].values()) and r["step_ms"] > 0
+    assert out.getvalue().count("\n| digits |") == 2
