@@ -283,7 +283,7 @@ def test_no_scale_below_the_floor_of_1_enters():
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     scaler.scale(_loss(net, 0)).backward()
     scaler.step(opt)
-    with pytest.raises(ValueError, match=r"floor max\(min_scale, 1\) = 1.*changed nothing"):
+    with pytest.raises(ValueError, match=r"floor 1, .*max\(min_scale, 1\) = 1.*changed nothing"):
         scaler.update(0.3)
     scaler.update(3.0)  # a scale that is not a power of two is allowed
     assert scaler.get_scale() == 3.0
@@ -312,6 +312,26 @@ def test_a_min_scale_not_a_power_of_two_collapses_at_the_power_above_it(min_scal
     with pytest.raises(ScaleCollapseError, match=rf"sits at its floor {floor} \(policy='headroom'"):
         _train(scaler, 30, inf_at=range(30))
     assert scaler.get_scale() == floor
+
+
+def test_no_scale_between_a_min_scale_not_a_power_of_two_and_the_floor_enters():
+    """min_scale=3: the floor is 4. A scale of 3 would be "backed off" up to 4 by the first
+    overflow (and called a collapse): init_scale, update(new_scale) and a loaded scale below
+    4 are refused, a torch checkpoint's clamped to 4; 5 (above the floor) backs off to 4."""
+    with pytest.raises(ValueError, match=r"init_scale=3.0 lies below .*floor 4, .*>= 4"):
+        ShardedGradScaler("cpu", init_scale=3.0, policy="headroom", min_scale=3.0)
+    assert ShardedGradScaler("cpu", policy="headroom", min_scale=1e5).get_scale() == 2.0**17
+    scaler = ShardedGradScaler("cpu", init_scale=5.0, policy="headroom", min_scale=3.0)
+    _train(scaler, 1, inf_at=[0])
+    assert scaler.get_scale() == 4.0 and scaler.metrics()["backoffs"] == 1
+    scaler.scale(_loss(Net(), 0))
+    scaler.abandon()
+    with pytest.raises(ValueError, match=r"new_scale=3.5 lies below .*floor 4"):
+        scaler.update(3.5)
+    theirs = torch.amp.GradScaler("cpu", init_scale=3.0)
+    with pytest.warns(UserWarning, match=r"scale'\]=3.0 .*loaded as 4.0"):
+        scaler.load_state_dict(theirs.state_dict())
+    assert scaler.get_scale() == 4.0
 
 
 def test_clip_after_update_without_scale_warns_as_step_does():

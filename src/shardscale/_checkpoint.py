@@ -162,7 +162,7 @@ def parse_state_dict(
         # scale can pass 2**127, and it can back off below 2**-126. Such a state is valid for
         # torch: load it with the scale clamped into this scaler's bounds, and say so.
         value = check_real("state_dict['scale']", raw_scale)
-        lo = config.lowest  # policy="headroom": max(min_scale, 1)
+        lo = config.floor  # policy="headroom": the power of two >= max(min_scale, 1)
         if value >= 0 and not lo <= value <= config.max_scale:  # 0: backed off to 0
             clamped = min(max(value, lo), config.max_scale)
             what = "the bounds kept" if overridden else "a torch.amp.GradScaler state"

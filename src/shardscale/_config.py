@@ -386,7 +386,7 @@ def settings(
     else:
         _check_torch_args(config)
     if init_scale is None:  # not given: torch's default, inside the bounds asked for
-        init = min(max(DEFAULT_INIT_SCALE, config.min_scale), config.max_scale)
+        init = min(max(DEFAULT_INIT_SCALE, config.floor), config.max_scale)
     else:
         init = check_policy_scale("init_scale", init_scale, config)
     flags = [
@@ -477,14 +477,15 @@ def guard_kwargs(kwargs: dict[str, object]) -> dict[str, object]:
 
 def check_policy_scale(name: str, value: object, config: ScalerConfig) -> float:
     """:func:`check_scale` inside ``config``'s bounds, and at or above ``policy="headroom"``'s
-    floor ``max(min_scale, 1)`` (:attr:`ScalerConfig.lowest`)."""
+    floor (:attr:`ScalerConfig.floor`: the smallest power of two >= ``max(min_scale, 1)``;
+    below it the rule's first backoff would raise the scale)."""
     v = check_scale(name, value, config.min_scale, config.max_scale)
-    if config.headroom and v < config.lowest:
+    if config.headroom and v < config.floor:
         raise ValueError(
-            f"{name}={v} lies below policy='headroom''s floor max(min_scale, 1) = "
-            f"{config.lowest:g}: it keeps the scale >= 1, so that unscaling never enlarges a "
-            "gradient (no second check of the unscaled values); pass a value >= "
-            f"{config.lowest:g}."
+            f"{name}={v} lies below policy='headroom''s floor {config.floor:g}, the smallest "
+            f"power of two >= max(min_scale, 1) = {config.lowest:g}: the rule's scales are "
+            "powers of two, and >= 1 so that unscaling never enlarges a gradient (no second "
+            f"check of the unscaled values); pass a value >= {config.floor:g}."
         )
     return v
 
