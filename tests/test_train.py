@@ -8,6 +8,7 @@ only) at steps 4 and 9, growth every 3 clean steps.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -399,7 +400,7 @@ def test_restore_into_torch_scaler_in_process(main_run: Path) -> None:
     net = model.build(cfg, data.load(cfg))
     opt = torch.optim.AdamW(net.parameters())
     scaler = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=3)
-    assert checkpoint.restore(ck, net, opt, scaler, "torch/fp16") == (
+    assert checkpoint.restore(ck, net, opt, scaler, dataclasses.replace(cfg, scaler="torch")) == (
         6,
         True,
         "from --scaler shardscale",
@@ -408,7 +409,7 @@ def test_restore_into_torch_scaler_in_process(main_run: Path) -> None:
     assert torch.equal(net.fc1.weight, ck["model"]["fc1.weight"])
     assert opt.state_dict()["state"][0]["step"] == 5  # 6 steps, the 4th skipped
     guard = ShardedGradScaler.guard()
-    assert checkpoint.restore(ck, net, opt, guard, "shardscale/bf16") == (
+    assert checkpoint.restore(ck, net, opt, guard, dataclasses.replace(cfg, precision="bf16")) == (
         6,
         False,
         "checkpoint used --precision fp16",
@@ -491,3 +492,39 @@ def test_policy_headroom_reaches_the_scaler_and_the_plot(tmp_path: Path) -> None
     assert bad.returncode == 2 and "--policy headroom needs --scaler shardscale" in bad.stderr
     bad = _train("--parallel", "none", "--policy", "headroom", "--precision", "bf16")
     assert bad.returncode == 2 and "--policy headroom needs --precision fp16" in bad.stderr
+
+
+def test_a_resume_follows_the_checkpoints_policy_unless_told(tmp_path: Path) -> None:
+    """Without --policy a resume continues the checkpoint's rule; --policy torch switches to
+    torch's rule with this run's --growth-interval (torch's load_state_dict would take the
+    state's): both are run changes of the summary and the warning line, and the scaler's own
+    warning about the policy is not repeated."""
+    first = tmp_path / "headroom"
+    common = ("--parallel", "none", "--hidden", "32", "--no-progress", "--ckpt-every", "3")
+    proc = _train(*common, "--policy", "headroom", "--steps", "3", "--out", str(first))
+    assert proc.returncode == 0, proc.stderr
+    ckpt = str(first / "checkpoints" / "step-000003.pt")
+    same = tmp_path / "same"
+    proc = _train(*common, "--steps", "5", "--resume", ckpt, "--out", str(same))
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((same / "summary.json").read_text())
+    assert summary["policy"] == "headroom"
+    assert summary["run_changes"] == ["--steps 5 (checkpoint's run: 3)"]
+    assert "UserWarning" not in proc.stderr
+    switched = tmp_path / "switched"
+    proc = _train(
+        *common, "--steps", "6", "--resume", ckpt, "--out", str(switched),
+        "--policy", "torch", "--growth-interval", "1",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((switched / "summary.json").read_text())
+    assert summary["policy"] == "torch"
+    assert summary["run_changes"] == [
+        "--steps 6 (checkpoint's run: 3)",
+        "--policy torch (checkpoint's run: headroom)",
+        "--growth-interval 1 (checkpoint's run: 50)",
+    ]
+    assert "--policy torch (checkpoint's run: headroom)" in proc.stderr
+    assert "UserWarning" not in proc.stderr
+    scales = [r["scale"] for r in _rows(switched)]
+    assert all(b == 2 * a for a, b in zip(scales, scales[1:], strict=False))  # grows every step

@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import re
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,8 @@ FORMAT = "shardscale.train/1"
 _NAME = re.compile(r"step-(\d+)\.pt$")
 #: Settings that shape the training trajectory without changing the model: recorded in each
 #: checkpoint so that a resume with other values can say it is not the uninterrupted run.
-RUN_KEYS = ("steps", "lr", "weight_decay", "batch_size", "seed", "clip_grad_norm")
+RUN_KEYS = ("steps", "lr", "weight_decay", "batch_size", "seed", "clip_grad_norm", "policy",
+            "growth_interval")  # fmt: skip
 
 
 def path_for(out: str | Path, step: int) -> Path:
@@ -147,6 +149,19 @@ def run_settings(cfg: Any) -> dict[str, Any]:
     return {k: getattr(cfg, k) for k in RUN_KEYS}
 
 
+def resolve_policy(ckpt: dict[str, Any] | None, cfg: Any) -> str:
+    """The loss-scale policy of the run: ``--policy`` when given; else, for ``--scaler
+    shardscale`` in fp16, the policy of the resumed checkpoint's shardscale scaler state (a
+    resume continues its rule); else ``"torch"``."""
+    if cfg.policy is not None:
+        return cfg.policy
+    state = ckpt.get("scaler") if ckpt is not None else None
+    saved = state.get("policy") if isinstance(state, dict) else None
+    if cfg.scaler == "shardscale" and cfg.precision == "fp16" and saved in ("torch", "headroom"):
+        return saved
+    return "torch"
+
+
 def run_changes(ckpt: dict[str, Any], cfg: Any) -> list[str]:
     """The run settings of ``cfg`` that differ from the checkpoint's run, as option texts
     (e.g. ``"--steps 400 (checkpoint's run: 200)"``); empty for a checkpoint without them."""
@@ -247,12 +262,12 @@ def restore(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     scaler: Any,
-    scaler_kind: str,
+    cfg: Any,
 ) -> tuple[int, bool, str]:
     """Load a checkpoint (read by every rank) into the model, optimizer and scaler. Collective.
 
-    The scaler state is loaded when :func:`scaler_plan` allows it (also from the other
-    ``--scaler``); otherwise the scaler starts afresh at its initial scale.
+    The scaler state is loaded (:func:`load_scaler`) when :func:`scaler_plan` allows it (also
+    from the other ``--scaler``); otherwise the scaler starts afresh at its initial scale.
 
     Returns:
         The step the checkpoint was taken at, whether the scaler state was loaded, and the
@@ -267,10 +282,31 @@ def restore(
         optim_state_dict=ckpt["optim"],
         options=StateDictOptions(full_state_dict=True),
     )
-    loaded, why = scaler_plan(ckpt, scaler_kind)
+    loaded, why = scaler_plan(ckpt, f"{cfg.scaler}/{cfg.precision}")
     if loaded:
-        scaler.load_state_dict(ckpt["scaler"])
+        load_scaler(scaler, ckpt, cfg)
     return int(ckpt["step"]), loaded, why
+
+
+#: The scaler's warning that a resume changes the checkpoint's policy and nothing else:
+#: :func:`run_changes` says it in the command line's terms.
+_POLICY_ONLY = (
+    r"load_state_dict\(\) keeps the policy the constructor asked for: policy='\w+' "
+    r"\(the checkpoint's: '\w+'\); the scale"
+)
+
+
+def load_scaler(scaler: Any, ckpt: dict[str, Any], cfg: Any) -> None:
+    """Load the checkpoint's scaler state into this run's ``scaler`` as the command line
+    says: under torch's rule in fp16 ``--growth-interval`` replaces the state's (torch's
+    ``load_state_dict`` takes the state's interval; a change is one of :func:`run_changes`,
+    as a change of ``--policy`` is, whose warning from the scaler is left out)."""
+    state = ckpt["scaler"]
+    if cfg.precision == "fp16" and cfg.policy == "torch" and "growth_interval" in state:
+        state = {**state, "growth_interval": cfg.growth_interval}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_POLICY_ONLY)
+        scaler.load_state_dict(state)
 
 
 def _rank() -> int:

@@ -10,6 +10,7 @@ one line (its error, read from torch elastic's error file) with its exit code.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -99,8 +100,9 @@ def _check_scaler_state(ckpt: dict, path: Path, cfg: TrainConfig) -> None:
     restore, _ = checkpoint.scaler_plan(ckpt, f"{cfg.scaler}/{cfg.precision}")
     if not restore:
         return
+    cfg = dataclasses.replace(cfg, policy=checkpoint.resolve_policy(ckpt, cfg))  # as a worker's
     try:
-        parallel.make_scaler(cfg, torch.device("cpu")).load_state_dict(ckpt["scaler"])
+        checkpoint.load_scaler(parallel.make_scaler(cfg, torch.device("cpu")), ckpt, cfg)
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         what = f"missing key {e}" if isinstance(e, KeyError) else str(e)
         raise ConfigError(

@@ -38,7 +38,7 @@ class TrainConfig:
     precision: str = "fp16"
     reduce_dtype: str = "fp32"
     scaler: str = "shardscale"
-    policy: str = "torch"
+    policy: str | None = None  # None: a resumed shardscale checkpoint's, else "torch"
     init_scale: float = 2.0**20
     growth_interval: int = 50
     max_consecutive_skips: int | None = 20
@@ -179,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.policy,
         help="shardscale, fp16: how the scale moves: torch's rule (growth after "
         "--growth-interval clean steps) or 'headroom' (from the measured gradient amax, "
-        "docs/headroom.md)",
+        "docs/headroom.md); default: a resumed checkpoint's, else torch",
     )
     g.add_argument(
         "--init-scale",
@@ -341,9 +341,9 @@ def validate(cfg: TrainConfig, world_size: int | None = None) -> TrainConfig:
         if cfg.hidden % 4:
             raise ConfigError(f"--hidden {cfg.hidden} must be a multiple of 4 (4 attention heads).")
         check_text_file(cfg.text, cfg.seq_len)
-    if cfg.policy != "torch" and cfg.scaler != "shardscale":
+    if cfg.policy == "headroom" and cfg.scaler != "shardscale":
         raise ConfigError(f"--policy {cfg.policy} needs --scaler shardscale (torch's has none).")
-    if cfg.policy != "torch" and cfg.precision != "fp16":
+    if cfg.policy == "headroom" and cfg.precision != "fp16":
         raise ConfigError(
             f"--policy {cfg.policy} needs --precision fp16: {cfg.precision} trains without a "
             "loss scale (the scaler's guard)."

@@ -119,6 +119,7 @@ def train(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> dict
         path = checkpoint.resolve(cfg.resume)
         ckpt = checkpoint.read(path)  # every rank reads it: the path must be visible to all nodes
         checkpoint.check_compatible(ckpt, path, meta, cfg.steps)
+    cfg.policy = checkpoint.resolve_policy(ckpt, cfg)  # the summary, the plot and checkpoints
     net = parallel.wrap(model.build(cfg, dataset), cfg, device)
     optimizer = torch.optim.AdamW(net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scaler = parallel.make_scaler(cfg, device)
@@ -128,9 +129,7 @@ def train(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> dict
     run = checkpoint.run_settings(cfg)
     start, scaler_loaded, scaler_note, changes = 0, False, "", []
     if ckpt is not None:
-        start, scaler_loaded, scaler_note = checkpoint.restore(
-            ckpt, net, optimizer, scaler, scaler_kind
-        )
+        start, scaler_loaded, scaler_note = checkpoint.restore(ckpt, net, optimizer, scaler, cfg)
         changes = checkpoint.run_changes(ckpt, cfg)
         del ckpt
     # ScaleCollapseError counts scaler updates from 0; training steps count from 1 (metrics.jsonl)

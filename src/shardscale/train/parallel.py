@@ -105,8 +105,7 @@ def make_scaler(cfg: TrainConfig, device: torch.device) -> Any:
                 device.type,
                 init_scale=cfg.init_scale,
                 max_consecutive_skips=cfg.max_consecutive_skips,
-                # the default follows a resumed checkpoint's policy, as before --policy existed
-                policy=None if cfg.policy == "torch" else cfg.policy,
+                policy=cfg.policy,  # resolved: checkpoint.resolve_policy
                 **torch_rule,
             )
         return ShardedGradScaler.guard(max_consecutive_skips=cfg.max_consecutive_skips)
