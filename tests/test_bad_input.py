@@ -710,3 +710,20 @@ def test_the_swapped_factors_hint_comes_only_when_they_look_swapped():
         with pytest.raises(ValueError) as err:
             ShardedGradScaler("cpu", **kw)
         assert "swapped" not in str(err.value), kw
+
+
+def test_a_bad_policy_field_in_a_state_dict_is_named_by_its_key_and_changes_nothing():
+    scaler = ShardedGradScaler("cpu")
+    before = scaler.state_dict()
+    for key, value, message in (
+        ("growth_factor", 0.5, "state_dict['growth_factor'] must be > 1.0, got 0.5."),
+        ("growth_interval", 0, "state_dict['growth_interval'] must be >= 1, got 0."),
+        ("policy", "bogus", "state_dict['policy'] must be 'torch' or 'headroom', got 'bogus'."),
+    ):
+        with pytest.raises(ValueError) as err:
+            scaler.load_state_dict({**before, key: value})
+        assert str(err.value) == message  # no hint about positional constructor arguments
+        assert scaler.state_dict() == before
+    with pytest.raises(ValueError) as err:
+        scaler.set_growth_factor(0.5)
+    assert "swapped" not in str(err.value)

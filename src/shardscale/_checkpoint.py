@@ -125,7 +125,13 @@ def parse_state_dict(
     if missing:
         raise ValueError(f"state_dict is missing the keys {missing}; pass a scaler state_dict().")
     fields = {k: state_dict[k] for k in CONFIG_KEYS if k in state_dict}
-    dataclasses.replace(current, **fields)  # validates every field, kept ones too
+    try:
+        dataclasses.replace(current, **fields)  # validates every field, kept ones too
+    except (TypeError, ValueError) as e:  # named as the state dict's key
+        key = next((k for k in fields if str(e).startswith(f"{k} ")), None)
+        if key is None:
+            raise
+        raise type(e)(f"state_dict[{key!r}]{str(e)[len(key) :]}") from None
     config = dataclasses.replace(current, **{k: v for k, v in fields.items() if k not in keep})
     switched = own is not None and "dynamic" in keep and _dynamic(state_dict) != current.dynamic
     overridden = [

@@ -76,7 +76,7 @@ def check_growth_factor(value: object) -> float:
     """Validate ``growth_factor`` (> 1). Raises TypeError/ValueError naming the argument."""
     v = check_real("growth_factor", value)
     if v <= 1.0:
-        raise ValueError(f"growth_factor must be > 1.0, got {v}.{_swapped(0.0 < v < 1.0)}")
+        raise ValueError(f"growth_factor must be > 1.0, got {v}.")
     return v
 
 
@@ -84,18 +84,22 @@ def check_backoff_factor(value: object) -> float:
     """Validate ``backoff_factor`` (in the open interval (0, 1))."""
     v = check_real("backoff_factor", value)
     if not 0.0 < v < 1.0:
-        raise ValueError(f"backoff_factor must be in (0, 1), got {v}.{_swapped(v > 1.0)}")
+        raise ValueError(f"backoff_factor must be in (0, 1), got {v}.")
     return v
 
 
-def _swapped(likely: bool) -> str:
-    """The hint for a growth and a backoff factor that look swapped."""
-    if not likely:
-        return ""
-    return (
-        " (The factors look swapped: torch's FSDP ShardedGradScaler takes backoff_factor "
-        "before growth_factor positionally; pass both by keyword.)"
-    )
+def _swapped(fields: dict[str, object]) -> str:
+    """The constructor's hint for a growth and a backoff factor that look swapped (torch's FSDP
+    ``ShardedGradScaler`` takes them in the other order), or ``""``."""
+    growth, backoff = fields.get("growth_factor"), fields.get("backoff_factor")
+    if (isinstance(growth, (int, float)) and 0.0 < growth < 1.0) or (
+        isinstance(backoff, (int, float)) and backoff > 1.0
+    ):
+        return (
+            " (The factors look swapped: torch's FSDP ShardedGradScaler takes backoff_factor "
+            "before growth_factor positionally; pass both by keyword.)"
+        )
+    return ""
 
 
 def check_growth_interval(value: object) -> int:
@@ -380,7 +384,12 @@ def settings(
     kind = device_type(device)
     enabled = check_flag("enabled", enabled)
     fields = {k: v for k, v in policy.items() if v is not None or k == "max_consecutive_skips"}
-    config = ScalerConfig(**fields)  # type: ignore[arg-type]
+    try:
+        config = ScalerConfig(**fields)  # type: ignore[arg-type]
+    except ValueError as e:
+        if str(e).startswith(("growth_factor ", "backoff_factor ")):
+            raise ValueError(f"{e}{_swapped(fields)}") from None
+        raise
     if config.policy == "headroom":
         _check_headroom_args(config)
     else:
