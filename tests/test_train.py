@@ -106,6 +106,8 @@ def test_checkpoint_holds_full_state_and_exact_scaler(main_run: Path) -> None:
         "batch_size": 32,
         "seed": 0,
         "clip_grad_norm": None,
+        "policy": "torch",  # resolved: --policy not given, a fresh run
+        "growth_interval": 3,
     }
 
 

@@ -168,7 +168,7 @@ def run_changes(ckpt: dict[str, Any], cfg: Any) -> list[str]:
     saved = ckpt.get("run")
     if not isinstance(saved, dict):
         return []
-    now = run_settings(cfg)
+    now = {**run_settings(cfg), "policy": resolve_policy(ckpt, cfg)}
     return [
         f"--{k.replace('_', '-')} {now[k]} (checkpoint's run: {saved[k]})"
         for k in RUN_KEYS

@@ -10,7 +10,6 @@ one line (its error, read from torch elastic's error file) with its exit code.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import shutil
@@ -65,6 +64,7 @@ def _prepare(cfg: TrainConfig) -> list[str]:
         path = checkpoint.resolve(cfg.resume)
         ckpt = checkpoint.read(path)
         checkpoint.check_compatible(ckpt, path, model.describe(cfg, data.load(cfg)), cfg.steps)
+        cfg.policy = checkpoint.resolve_policy(ckpt, cfg)  # as the workers resolve it
         _check_scaler_state(ckpt, path, cfg)
         changes = checkpoint.run_changes(ckpt, cfg)
         if changes:
@@ -100,7 +100,6 @@ def _check_scaler_state(ckpt: dict, path: Path, cfg: TrainConfig) -> None:
     restore, _ = checkpoint.scaler_plan(ckpt, f"{cfg.scaler}/{cfg.precision}")
     if not restore:
         return
-    cfg = dataclasses.replace(cfg, policy=checkpoint.resolve_policy(ckpt, cfg))  # as a worker's
     try:
         checkpoint.load_scaler(parallel.make_scaler(cfg, torch.device("cpu")), ckpt, cfg)
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
