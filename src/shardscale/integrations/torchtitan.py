@@ -44,9 +44,17 @@ try:
     from torchtitan.tools.logging import logger
     from torchtitan.trainer import Trainer
 except ImportError as exc:  # pragma: no cover - depends on the environment
+    import importlib.util
+
+    if importlib.util.find_spec("torchtitan") is None:
+        raise ImportError(
+            "shardscale.integrations.torchtitan needs torchtitan: pip install "
+            f"'shardscale[torchtitan]' (importing it failed: {exc})"
+        ) from exc
     raise ImportError(
-        "shardscale.integrations.torchtitan needs torchtitan: pip install "
-        f"'shardscale[torchtitan]' (importing it failed: {exc})"
+        f"torchtitan is installed but importing its trainer failed: {exc}. torchtitan.trainer "
+        "imports triton kernels (a CUDA machine has triton); on a CPU-only machine see "
+        "shardscale's docs/torchtitan.md (tests/titan_cpu stands in for them)."
     ) from exc
 
 from shardscale import ShardedGradScaler
