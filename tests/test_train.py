@@ -499,15 +499,17 @@ def test_policy_headroom_reaches_the_scaler_and_the_plot(tmp_path: Path) -> None
 def test_a_resume_follows_the_checkpoints_policy_unless_told(tmp_path: Path) -> None:
     """Without --policy a resume continues the checkpoint's rule; --policy torch switches to
     torch's rule with this run's --growth-interval (torch's load_state_dict would take the
-    state's): both are run changes of the summary and the warning line, and the scaler's own
+    state's): a run change of the summary and the warning line, and the scaler's own
     warning about the policy is not repeated."""
     first = tmp_path / "headroom"
     common = ("--parallel", "none", "--hidden", "32", "--no-progress", "--ckpt-every", "3")
     proc = _train(*common, "--policy", "headroom", "--steps", "3", "--out", str(first))
     assert proc.returncode == 0, proc.stderr
     ckpt = str(first / "checkpoints" / "step-000003.pt")
-    same = tmp_path / "same"
-    proc = _train(*common, "--steps", "5", "--resume", ckpt, "--out", str(same))
+    same = tmp_path / "same"  # --growth-interval: unused by the headroom rule, not a change
+    proc = _train(
+        *common, "--steps", "5", "--resume", ckpt, "--out", str(same), "--growth-interval", "7"
+    )
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((same / "summary.json").read_text())
     assert summary["policy"] == "headroom"
@@ -523,10 +525,31 @@ def test_a_resume_follows_the_checkpoints_policy_unless_told(tmp_path: Path) -> 
     assert summary["policy"] == "torch"
     assert summary["run_changes"] == [
         "--steps 6 (checkpoint's run: 3)",
-        "--policy torch (checkpoint's run: headroom)",
-        "--growth-interval 1 (checkpoint's run: 50)",
+        "--policy torch (checkpoint's run: headroom)",  # the interval: the new rule's
     ]
     assert "--policy torch (checkpoint's run: headroom)" in proc.stderr
     assert "UserWarning" not in proc.stderr
     scales = [r["scale"] for r in _rows(switched)]
     assert all(b == 2 * a for a, b in zip(scales, scales[1:], strict=False))  # grows every step
+
+
+def test_a_resume_keeps_the_checkpoints_growth_interval_unless_told(tmp_path: Path) -> None:
+    """--growth-interval not given on a resume: the checkpoint's run's (torch's load_state_dict
+    behaviour), no run change; given: this run's, a run change."""
+    first = tmp_path / "gi2"
+    common = ("--parallel", "none", "--hidden", "32", "--no-progress", "--ckpt-every", "2")
+    proc = _train(*common, "--growth-interval", "2", "--steps", "2", "--out", str(first))
+    assert proc.returncode == 0, proc.stderr
+    ckpt = str(first / "checkpoints" / "step-000002.pt")
+    for extra, changes, interval in (
+        ((), [], 2),
+        (("--growth-interval", "3"), ["--growth-interval 3 (checkpoint's run: 2)"], 3),
+    ):
+        out = tmp_path / f"resumed{interval}"
+        proc = _train(*common, "--steps", "4", "--resume", ckpt, "--out", str(out), *extra)
+        assert proc.returncode == 0, proc.stderr
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["run_changes"] == ["--steps 4 (checkpoint's run: 2)", *changes]
+        saved = checkpoint.read(out / "checkpoints" / "step-000004.pt")
+        assert saved["run"]["growth_interval"] == interval
+        assert saved["scaler"]["growth_interval"] == interval

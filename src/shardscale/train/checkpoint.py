@@ -162,16 +162,45 @@ def resolve_policy(ckpt: dict[str, Any] | None, cfg: Any) -> str:
     return "torch"
 
 
+def resolve_growth_interval(ckpt: dict[str, Any] | None, cfg: Any) -> int:
+    """``--growth-interval`` when given; else the resumed checkpoint's run's (its scaler
+    state's for a checkpoint that does not record it); else the default, 50."""
+    from .config import DEFAULT_GROWTH_INTERVAL
+
+    if cfg.growth_interval is not None:
+        return cfg.growth_interval
+    run, state = (ckpt.get("run"), ckpt.get("scaler")) if ckpt is not None else (None, None)
+    for source in (run, state):
+        value = source.get("growth_interval") if isinstance(source, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
+    return DEFAULT_GROWTH_INTERVAL
+
+
+def resolve_scaler_options(ckpt: dict[str, Any] | None, cfg: Any) -> None:
+    """Fill in ``cfg.policy`` and ``cfg.growth_interval`` left to the checkpoint (or to their
+    defaults for a fresh run): :func:`resolve_policy`, :func:`resolve_growth_interval`."""
+    cfg.policy = resolve_policy(ckpt, cfg)
+    cfg.growth_interval = resolve_growth_interval(ckpt, cfg)
+
+
 def run_changes(ckpt: dict[str, Any], cfg: Any) -> list[str]:
     """The run settings of ``cfg`` that differ from the checkpoint's run, as option texts
     (e.g. ``"--steps 400 (checkpoint's run: 200)"``); empty for a checkpoint without them."""
     saved = ckpt.get("run")
     if not isinstance(saved, dict):
         return []
-    now = {**run_settings(cfg), "policy": resolve_policy(ckpt, cfg)}
+    now = {
+        **run_settings(cfg),
+        "policy": resolve_policy(ckpt, cfg),
+        "growth_interval": resolve_growth_interval(ckpt, cfg),
+    }
+    keys = RUN_KEYS
+    if "headroom" in (now["policy"], saved.get("policy")):  # no growth interval in its rule
+        keys = tuple(k for k in RUN_KEYS if k != "growth_interval")
     return [
         f"--{k.replace('_', '-')} {now[k]} (checkpoint's run: {saved[k]})"
-        for k in RUN_KEYS
+        for k in keys
         if k in saved and saved[k] != now[k]
     ]
 

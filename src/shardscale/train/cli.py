@@ -64,7 +64,7 @@ def _prepare(cfg: TrainConfig) -> list[str]:
         path = checkpoint.resolve(cfg.resume)
         ckpt = checkpoint.read(path)
         checkpoint.check_compatible(ckpt, path, model.describe(cfg, data.load(cfg)), cfg.steps)
-        cfg.policy = checkpoint.resolve_policy(ckpt, cfg)  # as the workers resolve it
+        checkpoint.resolve_scaler_options(ckpt, cfg)  # as the workers do
         _check_scaler_state(ckpt, path, cfg)
         changes = checkpoint.run_changes(ckpt, cfg)
         if changes:

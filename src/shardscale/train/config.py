@@ -25,6 +25,10 @@ class ConfigError(ValueError):
     """A bad option or input file; the message names it and is printed as one line (exit 2)."""
 
 
+#: ``--growth-interval`` of a fresh run.
+DEFAULT_GROWTH_INTERVAL = 50
+
+
 @dataclasses.dataclass
 class TrainConfig:
     """The parsed options of ``shardscale train`` (see ``shardscale train --help``).
@@ -40,7 +44,7 @@ class TrainConfig:
     scaler: str = "shardscale"
     policy: str | None = None  # None: a resumed shardscale checkpoint's, else "torch"
     init_scale: float = 2.0**20
-    growth_interval: int = 50
+    growth_interval: int | None = None  # None: a resumed checkpoint's, else 50
     max_consecutive_skips: int | None = 20
     steps: int = 400
     batch_size: int = 64
@@ -191,7 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--growth-interval",
         type=_positive_int,
         default=d.growth_interval,
-        help="clean steps before the scale doubles (--policy torch)",
+        help="clean steps before the scale doubles (--policy torch); default: a resumed "
+        f"checkpoint's, else {DEFAULT_GROWTH_INTERVAL}",
     )
     g.add_argument(
         "--max-consecutive-skips",
@@ -383,6 +388,8 @@ def check_scaler_options(cfg: TrainConfig) -> None:
     from shardscale import ShardedGradScaler
 
     values = {name: getattr(cfg, name) for name in _SCALER_OPTIONS}
+    if values["growth_interval"] is None:  # resolved later (checkpoint.resolve_scaler_options)
+        values["growth_interval"] = DEFAULT_GROWTH_INTERVAL
     if cfg.policy == "headroom":
         del values["growth_interval"]  # unused there: the workers' scaler is built without it
     try:

@@ -119,7 +119,7 @@ def train(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> dict
         path = checkpoint.resolve(cfg.resume)
         ckpt = checkpoint.read(path)  # every rank reads it: the path must be visible to all nodes
         checkpoint.check_compatible(ckpt, path, meta, cfg.steps)
-    cfg.policy = checkpoint.resolve_policy(ckpt, cfg)  # the summary, the plot and checkpoints
+    checkpoint.resolve_scaler_options(ckpt, cfg)  # the summary, the plot and checkpoints
     net = parallel.wrap(model.build(cfg, dataset), cfg, device)
     optimizer = torch.optim.AdamW(net.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scaler = parallel.make_scaler(cfg, device)

@@ -105,7 +105,7 @@ def make_scaler(cfg: TrainConfig, device: torch.device) -> Any:
                 device.type,
                 init_scale=cfg.init_scale,
                 max_consecutive_skips=cfg.max_consecutive_skips,
-                policy=cfg.policy,  # resolved: checkpoint.resolve_policy
+                policy=cfg.policy,  # resolved: checkpoint.resolve_scaler_options
                 **torch_rule,
             )
         return ShardedGradScaler.guard(max_consecutive_skips=cfg.max_consecutive_skips)
