@@ -283,7 +283,9 @@ def test_no_scale_below_the_floor_of_1_enters():
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     scaler.scale(_loss(net, 0)).backward()
     scaler.step(opt)
-    with pytest.raises(ValueError, match=r"floor 1, .*max\(min_scale, 1\) = 1.*changed nothing"):
+    with pytest.raises(
+        ValueError, match=r"floor 1 \(.*max\(min_scale, 1\), here 1\).*changed nothing"
+    ):
         scaler.update(0.3)
     scaler.update(3.0)  # a scale that is not a power of two is allowed
     assert scaler.get_scale() == 3.0
@@ -318,7 +320,7 @@ def test_no_scale_between_a_min_scale_not_a_power_of_two_and_the_floor_enters():
     """min_scale=3: the floor is 4. A scale of 3 would be "backed off" up to 4 by the first
     overflow (and called a collapse): init_scale, update(new_scale) and a loaded scale below
     4 are refused, a torch checkpoint's clamped to 4; 5 (above the floor) backs off to 4."""
-    with pytest.raises(ValueError, match=r"init_scale=3.0 lies below .*floor 4, .*>= 4"):
+    with pytest.raises(ValueError, match=r"init_scale=3.0 lies below .*floor 4 \(.*here 3\).*>= 4"):
         ShardedGradScaler("cpu", init_scale=3.0, policy="headroom", min_scale=3.0)
     assert ShardedGradScaler("cpu", policy="headroom", min_scale=1e5).get_scale() == 2.0**17
     scaler = ShardedGradScaler("cpu", init_scale=5.0, policy="headroom", min_scale=3.0)
@@ -332,6 +334,20 @@ def test_no_scale_between_a_min_scale_not_a_power_of_two_and_the_floor_enters():
     with pytest.warns(UserWarning, match=r"scale'\]=3.0 .*loaded as 4.0"):
         scaler.load_state_dict(theirs.state_dict())
     assert scaler.get_scale() == 4.0
+
+
+@pytest.mark.parametrize("bounds", [(5.0, 7.0), (3.0, 3.0), (1.0, 0.5)])
+def test_bounds_holding_no_power_of_two_above_the_floor_are_refused(bounds):
+    """policy='headroom' sets powers of two: with none in [max(min_scale, 1), max_scale] its
+    backoffs would stop short of the floor and the collapse guard never fire."""
+    lo, hi = bounds
+    with pytest.raises(ValueError, match=r"hold no power of two .*widen max_scale to \d+"):
+        ShardedGradScaler("cpu", policy="headroom", min_scale=min(lo, hi), max_scale=hi)
+    ShardedGradScaler("cpu", min_scale=min(lo, hi), max_scale=hi)  # torch's rule: fine
+    state = ShardedGradScaler("cpu", policy="headroom").state_dict()
+    state.update(min_scale=min(lo, hi), max_scale=hi, scale=hi)
+    with pytest.raises(ValueError, match=r"state_dict\['min_scale'\] and max_scale"):
+        ShardedGradScaler("cpu", policy="headroom").load_state_dict(state)
 
 
 def test_clip_after_update_without_scale_warns_as_step_does():

@@ -225,11 +225,10 @@ class ScalerConfig:
     def floor(self) -> float:
         """The scale the backoffs stop at (a backoff due there is a collapse): ``min_scale``;
         with ``policy="headroom"``, whose scales are powers of two, the smallest power of two
-        >= :attr:`lowest` (:attr:`lowest` where ``[lowest, max_scale]`` holds none)."""
+        >= :attr:`lowest` (within ``max_scale``: checked in ``__post_init__``)."""
         if not self.headroom:
             return self.min_scale
-        power = 2.0 ** math.ceil(math.log2(self.lowest))
-        return power if power <= self.max_scale else self.lowest
+        return 2.0 ** math.ceil(math.log2(self.lowest))
 
     @property
     def plain(self) -> bool:
@@ -287,6 +286,13 @@ class ScalerConfig:
             raise ValueError(f"headroom_margin must be in [0, 64] bits, got {margin}.")
         check_int("headroom_history", self.headroom_history, 1, 65536)
         check_int("measure_every", self.measure_every, 1, INT32_MAX)
+        if self.headroom and 2.0 ** math.ceil(math.log2(max(lo, 1.0))) > hi:
+            raise ValueError(
+                f"min_scale and max_scale [{lo:g}, {hi:g}] hold no power of two >= "
+                f"max(min_scale, 1) = {max(lo, 1.0):g}, and policy='headroom' sets its scales "
+                "to powers of two (its backoffs would stop short of the collapse guard): widen "
+                f"max_scale to {2.0 ** math.ceil(math.log2(max(lo, 1.0))):g} or more."
+            )
         # Store normalised floats (ints are accepted for the float fields).
         # Store plain Python numbers (NumPy scalars and 1-element tensors are accepted).
         for name in (
@@ -491,8 +497,8 @@ def check_policy_scale(name: str, value: object, config: ScalerConfig) -> float:
     v = check_scale(name, value, config.min_scale, config.max_scale)
     if config.headroom and v < config.floor:
         raise ValueError(
-            f"{name}={v} lies below policy='headroom''s floor {config.floor:g}, the smallest "
-            f"power of two >= max(min_scale, 1) = {config.lowest:g}: the rule's scales are "
+            f"{name}={v} lies below policy='headroom''s floor {config.floor:g} (the smallest "
+            f"power of two >= max(min_scale, 1), here {config.lowest:g}): the rule's scales are "
             "powers of two, and >= 1 so that unscaling never enlarges a gradient (no second "
             f"check of the unscaled values); pass a value >= {config.floor:g}."
         )

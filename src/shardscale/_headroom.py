@@ -55,11 +55,9 @@ def margin_bits(config: ScalerConfig, world: int) -> float:
 
 def exponent_range(config: ScalerConfig) -> tuple[int, int]:
     """``(lo, hi)``: the exponents of the smallest and largest powers of two inside
-    ``[config.lowest, config.max_scale]`` (``hi >= lo``; a range holding no power of two is
-    then clamped by the scale's own clamp)."""
-    lo = math.ceil(math.log2(config.lowest))
-    hi = math.floor(math.log2(config.max_scale))
-    return lo, max(lo, hi)
+    ``[config.lowest, config.max_scale]`` (``hi >= lo``: :class:`ScalerConfig` refuses a
+    headroom range holding none)."""
+    return math.ceil(math.log2(config.lowest)), math.floor(math.log2(config.max_scale))
 
 
 @dataclasses.dataclass
@@ -223,11 +221,9 @@ def _target(peak: torch.Tensor, config: ScalerConfig, world: int) -> torch.Tenso
 
 def _clamp_(new: torch.Tensor, config: ScalerConfig) -> None:
     """Clamp ``new`` (0-d) to the powers of two in ``[config.lowest, config.max_scale]``, in
-    place (or to that range where it holds no power of two)."""
+    place."""
     lo_e, hi_e = exponent_range(config)
     new.clamp_(2.0**lo_e, 2.0**hi_e)
-    if 2.0**hi_e > config.max_scale:  # no power of two in [lowest, max_scale]
-        new.clamp_(config.lowest, config.max_scale)
 
 
 def next_state(
