@@ -557,7 +557,9 @@ def test_load_state_dict_after_scale_abandons_the_iteration():
     with pytest.warns(RuntimeWarning, match=r"after scale\(\).*abandoned"):
         s.load_state_dict(saved)
     assert s.get_scale() == 8.0
-    with pytest.raises(RuntimeError, match=r"no rank called scale\(\)"):
+    with pytest.raises(
+        RuntimeError, match=r"no rank of the scaler's process group called scale\(\)"
+    ):
         s.step(opt)
     assert torch.equal(w.detach(), torch.ones(4))  # nothing unscaled or stepped
     opt.zero_grad()

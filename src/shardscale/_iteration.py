@@ -47,10 +47,12 @@ _ADDED_TO = (
     "scaler.scale(loss).backward(), or unscale_ once, after every backward pass of the step."
 )
 _NOT_SCALED = (
-    "ShardedGradScaler: gradients are being unscaled ({what}) but no rank called scale() since "
-    "the scaler was made or loaded, and they are not zero. This may indicate your script did "
-    "not use scaler.scale(loss or outputs) earlier in the iteration: call "
-    "scaler.scale(loss).backward() instead of loss.backward(); {then}."
+    "ShardedGradScaler: gradients are being unscaled ({what}) but no rank of the scaler's "
+    "process group called scale() since the scaler was made or loaded, and they are not zero. "
+    "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the "
+    "iteration: call scaler.scale(loss).backward() instead of loss.backward() (with pipeline "
+    "stages, give the scaler a process group that includes the stage that scales the loss); "
+    "{then}."
 )
 
 
