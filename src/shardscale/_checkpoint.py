@@ -194,7 +194,7 @@ def parse_state_dict(
     raw = state_dict.get("_counters", {})
     if not isinstance(raw, Mapping) or not set(raw) <= set(COUNTER_NAMES):
         raise ValueError(f"state_dict['_counters'] must be a dict with keys from {COUNTER_NAMES}.")
-    counters = tuple(_nonneg_int(f"_counters[{n!r}]", raw.get(n, 0)) for n in COUNTER_NAMES)
+    counters = tuple(_nonneg_int("_counters", raw.get(n, 0), sub=n) for n in COUNTER_NAMES)
     if switched:
         assert own is not None
         scale, tracker, hyst = own.scale, own.growth_tracker, own.hysteresis_tracker
@@ -222,13 +222,21 @@ def _headroom(state_dict: Mapping[str, Any], config: ScalerConfig) -> HeadroomNu
     return HeadroomNumbers(tuple(history[-config.headroom_history :]), backoffs)
 
 
-def _nonneg_int(name: str, value: object, maximum: int = INT64_MAX) -> int:
-    """``value`` as an int in [0, maximum] (the range of the integer tensor that holds it)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-        raise ValueError(f"state_dict[{name!r}] must be an int >= 0, got {value!r}.")
+def _nonneg_int(name: str, value: object, maximum: int = INT64_MAX, sub: str = "") -> int:
+    """``value`` (``state_dict[name]``, or ``state_dict[name][sub]``) as an int in
+    [0, maximum] (the range of the integer tensor that holds it).
+
+    Raises:
+        TypeError: not an int; ValueError: out of that range.
+    """
+    where = f"state_dict[{name!r}]" + (f"[{sub!r}]" if sub else "")
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{where} must be an int >= 0, got {value!r}.")
+    if value < 0:
+        raise ValueError(f"{where} must be an int >= 0, got {value!r}.")
     if value > maximum:
         raise ValueError(
-            f"state_dict[{name!r}] must be <= {maximum} (it is held in a "
+            f"{where} must be <= {maximum} (it is held in a "
             f"{'32' if maximum == INT32_MAX else '64'}-bit integer tensor), got {value!r}."
         )
     return int(value)
