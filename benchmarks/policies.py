@@ -145,7 +145,7 @@ def _stepper(
     device: str = "cpu",
 ):  # fmt: skip
     """One contender of :func:`cost`: a function running ``n`` training steps (the demo's
-    model from ``seed`` on ``device``, fixed LR, batches cycling from step 1, made beforehand)
+    model from ``seed`` on ``device``, fixed LR, batches cycling from step 1)
     with a ``ShardedGradScaler`` of ``policy=kind`` from 2**16 (no overflow in these models),
     or torch's ``GradScaler`` (``kind="torch.amp"``)."""
     cfg = _cfg(task, 10**6, seed)
@@ -153,7 +153,6 @@ def _stepper(
     net = smodel.build(cfg, ds).to(device)
     opt = torch.optim.AdamW(net.parameters(), lr=cfg.lr, fused=fused)
     batches = sdata.Batches(ds, cfg, 0, 1)
-    data = [tuple(t.to(device) for t in batches.get(i)) for i in range(1, 65)]
     if kind == "torch.amp":
         scaler: Any = torch.amp.GradScaler(device, init_scale=2.0**16)
     else:
@@ -168,7 +167,7 @@ def _stepper(
         inside = 0.0
         for _ in range(n):
             state["step"] += 1
-            x, y = data[state["step"] % len(data)]
+            x, y = (t.to(device) for t in batches.get(state["step"]))
             opt.zero_grad(set_to_none=True)
             with torch.autocast(device, dtype=torch.float16):
                 loss = _loss(net(x), y)
