@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .config import ConfigError
+from .config import DEFAULT_GROWTH_INTERVAL, ConfigError
 
 FORMAT = "shardscale.train/1"
 _NAME = re.compile(r"step-(\d+)\.pt$")
@@ -165,8 +165,6 @@ def resolve_policy(ckpt: dict[str, Any] | None, cfg: Any) -> str:
 def resolve_growth_interval(ckpt: dict[str, Any] | None, cfg: Any) -> int:
     """``--growth-interval`` when given; else the resumed checkpoint's run's (its scaler
     state's for a checkpoint that does not record it); else the default, 50."""
-    from .config import DEFAULT_GROWTH_INTERVAL
-
     if cfg.growth_interval is not None:
         return cfg.growth_interval
     run, state = (ckpt.get("run"), ckpt.get("scaler")) if ckpt is not None else (None, None)
