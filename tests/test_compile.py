@@ -252,11 +252,13 @@ def step(x):
 """
 
 
-def test_a_compiled_headroom_step_does_not_recompile_every_update():
-    """policy="headroom" (measure_every=1) reads no host counter in a compiled step: no new
-    graph once the step has been compiled (a guard on a count would recompile at every update
-    until dynamo's recompile limit, then run eagerly). The step as a script writes it, with
-    the model, optimizer and scaler module globals (dynamo guards on globals' attributes)."""
+@pytest.mark.parametrize("every", [1, 4])
+def test_a_compiled_headroom_step_does_not_recompile_every_update(every):
+    """policy="headroom" reads no host counter in a compiled step with measure_every=1, and
+    only its phase with measure_every=k: no new graph once the step has been compiled for each
+    phase (a guard on a count would recompile at every update until dynamo's recompile limit,
+    then run eagerly). The step as a script writes it, with the model, optimizer and scaler
+    module globals (dynamo guards on globals' attributes)."""
     compiled = []
 
     def backend(gm, example_inputs):  # counts the graphs compiled
@@ -266,12 +268,92 @@ def test_a_compiled_headroom_step_does_not_recompile_every_update():
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 1))
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    scaler = ShardedGradScaler("cpu", init_scale=2.0**10, policy="headroom")
+    scaler = ShardedGradScaler("cpu", init_scale=2.0**10, policy="headroom", measure_every=every)
     script = {"torch": torch, "m": m, "opt": opt, "scaler": scaler}
     exec(_SCRIPT_STEP, script)
     step = torch.compile(script["step"], backend=backend)
     seen = []
-    for i in range(12):
+    for i in range(16):
         step(torch.randn(32, 16, generator=torch.Generator().manual_seed(i)))
         seen.append(len(compiled))
-    assert seen[-1] == seen[3], seen
+    assert seen[-1] == seen[3 + every], seen
+
+
+def _bounded_run(mode: str, fused: bool, case: str) -> list:
+    """24 iterations under user bounds, eager or compiled (``update`` alone with
+    fullgraph=True, or the whole step): ``min``: NaN losses from iteration 3 on, the scale
+    backs off to ``min_scale`` and collapses (warned); ``max``: growth every step, capped at
+    ``max_scale``. Returns the scale after each iteration and the collapse warnings' steps."""
+    import warnings
+
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3, fused=fused or None)
+    if case == "min":
+        s = ShardedGradScaler("cpu", init_scale=2.0**12, min_scale=2.0**10, on_collapse="warn")
+    else:
+        s = ShardedGradScaler("cpu", init_scale=2.0**4, max_scale=2.0**8, growth_interval=1)
+    update = torch.compile(s.update, fullgraph=True) if mode == "update" else s.update
+
+    def step(x, factor):
+        opt.zero_grad()
+        s.scale(m(x).sum() * factor).backward()
+        s.step(opt)
+        update()
+
+    run = torch.compile(step, backend="aot_eager") if mode == "step" else step
+    scales = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(24):
+            nan = case == "min" and i >= 3
+            run(torch.ones(3, 4), torch.tensor(float("nan") if nan else 1.0))
+            scales.append(s.get_scale())
+    said = [re.search(r"collapsed at step (\d+)", str(w.message)) for w in caught]
+    return scales, [int(m.group(1)) for m in said if m][:1]
+
+
+@pytest.mark.parametrize("case", ["min", "max"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_compiled_update_keeps_the_bounds_and_the_collapse_step(fused, case):
+    """A compiled update() runs again with the host's bounds as they were when it was traced
+    (its updates go unseen): it must not take the unbounded plain path then. The scale stays
+    in [min_scale, max_scale] as in eager, and the collapse names eager's step."""
+    eager = _bounded_run("eager", fused, case)
+    assert min(eager[0]) >= 2.0**10 if case == "min" else max(eager[0]) == 2.0**8
+    if case == "min":
+        assert eager[1] == [5]
+    assert _bounded_run("update", fused, case)[0] == eager[0]
+    step = _bounded_run("step", fused, case)
+    assert step[0] == eager[0] and step[1] == eager[1]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_compiled_loop_checks_again_below_a_scale_of_1(fused):
+    """fp16 parameters, the scale backed off from 8 to below 1 inside a compiled loop (the
+    host sees none of those updates): a gradient finite when scaled and inf once unscaled
+    (1e5 > fp16's 65504) is still caught and the step skipped, as eager, never stepped."""
+
+    def run(compiled: bool) -> list:
+        torch._dynamo.reset()
+        w = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))
+        opt = torch.optim.AdamW([w], lr=0.01, fused=True) if fused else torch.optim.SGD([w], 1e-6)
+        s = ShardedGradScaler("cpu", init_scale=8.0, min_scale=2.0**-10)
+
+        def step(factor):
+            opt.zero_grad()
+            s.scale((w.float() * factor).sum()).backward()
+            s.step(opt)
+            s.update()
+
+        run_ = torch.compile(step, backend="aot_eager") if compiled else step
+        seen = []
+        for i in range(9):
+            run_(torch.tensor(INF if i < 6 else 1e5))
+            seen.append((s.get_scale(), bool(s.last_step_skipped(opt))))
+        assert torch.isfinite(w).all()
+        return seen
+
+    eager = run(False)
+    assert eager[-1] == (2.0**-6, True)
+    assert run(True) == eager

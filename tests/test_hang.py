@@ -71,17 +71,21 @@ def _group():
 def _scenarios(rank: int, world_size: int) -> dict:
     out = {}
 
-    # 1. rank 1 never calls step()
+    # 1. rank 1 never calls step() (in its second iteration)
     g = _group()
     models, opts, scaler = _setup(g)
     _backward(models, scaler)
 
     def never_steps():
+        scaler.step(opts[0])  # one clean iteration first: the first agreement is read anyway
+        scaler.update()
+        opts[0].zero_grad()
+        _backward(models, scaler)
         if rank == 0:
             scaler.step(opts[0])
         scaler.update()
 
-    out["never_steps"] = _attempt(never_steps)
+    out["never_steps"] = {**_attempt(never_steps), "metrics": scaler.metrics()}
 
     # 2. rank 1 steps only the first of two optimizers
     g = _group()
@@ -195,6 +199,10 @@ def test_mismatched_ranks_fail_fast_with_clear_errors(tmp_path):
     assert a["error"] == "RuntimeError", a
     assert "rank 1 called update() with no optimizer stepped" in a["message"], a
     assert a["elapsed"] < TIMEOUT_S and b["elapsed"] < TIMEOUT_S, (a, b)
+    # rank 0's skipped step read the poisoned flag and raised there, before its update() could
+    # back the scale off for an overflow that never happened: both scalers stay as they were
+    assert a["metrics"] == b["metrics"], (a["metrics"], b["metrics"])
+    assert a["metrics"]["steps"] == 1 and a["metrics"]["overflows"] == 0, a["metrics"]
 
     # 2./3. out of step: detected by the scaler on both ranks, naming each rank's step
     for name, steps in (("fewer_optimizers", (0, 1)), ("other_checkpoint", (0, 5))):

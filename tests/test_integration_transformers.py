@@ -205,7 +205,8 @@ def _numerics_run(out: Path, name: str, **kw: Any) -> dict[str, Any]:
         if "loss" in e and "headroom_bits" in e
     }
     logs = [e["step"] for e in trainer.state.log_history if "loss" in e]
-    return {"logged": logged, "hand": hand, "measured": measured, "logs": logs}
+    others = [e for e in trainer.state.log_history if "loss" not in e and "headroom_bits" in e]
+    return {"logged": logged, "hand": hand, "measured": measured, "logs": logs, "others": others}
 
 
 def _errors(out: Path) -> dict[str, str]:
@@ -384,12 +385,13 @@ def test_ddp_every_rank_skips_the_one_rank_overflow(ddp: list[dict[str, Any]], n
 def test_logs_carry_headroom_and_underflow(
     single: dict[str, Any], name: str, logs: list[int], measured: list[int]
 ) -> None:
-    """policy="headroom" (or log_numerics=True): the logs of training steps carry the figures
-    of the step's gradients, computed by hand after the optimizer step; measured only on the
+    """policy="headroom" (or log_numerics=True): the logs of training steps, and no other,
+    carry the figures of the step's gradients, computed by hand after the optimizer step; measured only on the
     steps that log (every step with logging_strategy="epoch")."""
     run = single[name]
     assert run["logs"] == logs and run["measured"] == measured
     assert sorted(int(k) for k in run["logged"]) == logs
+    assert run["others"] == []  # not the end-of-training summary (train_runtime, train_loss)
     for step, figures in run["logged"].items():
         assert figures == pytest.approx(run["hand"][step], rel=1e-9)
         assert 0 < figures[0] < 16 and figures[1] >= 4 / 358  # tiny's 4, and zeros

@@ -9,6 +9,8 @@ read an overflow, or every few updates while fused steps run.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ._policy import math_dtype
@@ -63,10 +65,13 @@ class Alarm:
         record = torch.cat([agreed, step.reshape(1), m])
         torch.where(bad, record, self.mismatch, out=self.mismatch)
 
-    def read(self, rank: int, scale_now: torch.Tensor) -> tuple[tuple[int, float] | None, float]:
+    def read(
+        self, rank: int, scale_now: torch.Tensor, collapse: bool = True
+    ) -> tuple[tuple[int, float] | None, float]:
         """Read the alarm and ``scale_now`` (one host read): ``(step, scale)`` of a recorded
         collapse (``step``: its 0-based index; then forgotten, so the next one is recorded) or
-        None, and the current scale.
+        None (always, and nothing forgotten, when not ``collapse``: a read for the mismatch
+        only), and the current scale.
 
         Raises:
             RuntimeError: the ranks disagreed (another step, or another check ordinal), named.
@@ -84,7 +89,7 @@ class Alarm:
             raise RuntimeError(
                 mismatch_message(mismatch[_AGREED:_OWN_STEP], own_step, own_check, rank)
             )
-        if step < 0:
+        if step < 0 or not collapse:
             return None, now
         self.collapse[0] = -1
         return (int(step) - 1, scale), now
@@ -100,23 +105,32 @@ class Schedule:
     already), when the scale may be below 1, every :data:`POLL_EVERY` updates while fused steps
     run (their flags are never read) or while the host's bounds of the scale keep the update
     off its plain path; in a compiled loop (``update()`` traced, reading nothing), every
-    :data:`POLL_EVERY` steps from the steps' eager part.
+    :data:`POLL_EVERY` steps from the steps' eager part, or sooner where the updates it did
+    not see could have taken the scale below 1.
 
     Attributes:
         updates: ``update()`` calls since the last read.
         unread: fused steps ran since the last read.
         steps: steps since the last eager ``update()`` (a compiled loop's count).
+        unseen: a compiled ``update()`` ran since the last eager one (set by a constant store
+            in the graph: no guard, no recompile): the host's bounds of the scale miss updates.
     """
 
     def __init__(self) -> None:
         self.updates, self.unread, self.steps = 0, False, 0
+        self.unseen = False
 
-    def step(self, blind: bool = False) -> bool:
+    def step(self, blind: bool = False, safe: Callable[[], float] | None = None) -> bool:
         """A step ran (``blind``: one whose flag the host does not read); returns whether a
-        compiled loop's catch-up read is due (eager ``update()`` calls reset the count)."""
+        compiled loop's catch-up read is due (eager ``update()`` calls reset the count): after
+        :data:`POLL_EVERY` steps, or, once a compiled ``update()`` ran, sooner where the next
+        step's check could otherwise meet a scale below 1 unknown to the host: it follows an
+        update per step counted since the last read, and one more; ``safe()`` updates cannot
+        take the scale there (:meth:`shardscale._policy.HostBounds.safe_updates`)."""
         self.unread = self.unread or blind
         self.steps += 1
-        if self.steps > POLL_EVERY:
+        close = self.unseen and safe is not None and self.steps + 1 > safe()
+        if self.steps > POLL_EVERY or close:
             self.steps = 0
             return True
         return False
@@ -125,7 +139,7 @@ class Schedule:
         """An eager ``update()`` ran: whether to read the alarm now (``refresh``: the host's
         bounds of the scale would gain from an exact value)."""
         self.updates += 1
-        self.steps = 0
+        self.steps, self.unseen = 0, False
         periodic = (self.unread or refresh) and self.updates >= POLL_EVERY
         return read_overflow or below_one or periodic
 

@@ -264,8 +264,9 @@ class Headroom:
         pending: 0-d float32, the MAX of this iteration's agreed amaxes (< 0: not measured),
             or None before the first check.
         world: the ranks the amax covers (product of the agreement groups' sizes).
-        updates: updates counted (the steps counter's value, kept on the host with
-            ``measure_every`` > 1: its phase; restored from a checkpoint's counters).
+        phase: updates counted modulo ``measure_every`` (kept on the host with
+            ``measure_every`` > 1; restored from a checkpoint's steps counter): a step compiled
+            from globals guards on it, so it takes ``measure_every`` values, not one per update.
     """
 
     def __init__(self, numbers: HeadroomNumbers | None = None) -> None:
@@ -273,13 +274,13 @@ class Headroom:
         self.tensors: HeadroomState | None = None
         self.pending: torch.Tensor | None = None
         self.world = 1
-        self.updates = 0
+        self.phase = 0
 
     def due(self, config: ScalerConfig) -> bool:
         """Whether a non-fused step of this iteration measures (every ``measure_every``-th).
         With ``measure_every=1`` the count is not read (a compiled step would guard on it and
         recompile at every update)."""
-        return config.measure_every == 1 or self.updates % config.measure_every == 0
+        return config.measure_every == 1 or self.phase % config.measure_every == 0
 
     def note(self, amax: torch.Tensor, world: int) -> None:
         """An agreed amax of this iteration (0-d float32; < 0: not measured)."""
@@ -292,7 +293,7 @@ class Headroom:
         amax = self.pending
         self.pending = None
         if config.measure_every != 1:
-            self.updates += 1
+            self.phase = (self.phase + 1) % config.measure_every
         if amax is None:
             return torch.full((), -1.0, dtype=torch.float32, device=home)
         return amax.to(home)
@@ -342,14 +343,14 @@ class Headroom:
         """The state as numbers (one host read once placed)."""
         return self.numbers if self.tensors is None else read(self.tensors)
 
-    def load(self, numbers: HeadroomNumbers, updates: int = 0) -> None:
+    def load(self, numbers: HeadroomNumbers, updates: int, config: ScalerConfig) -> None:
         """Install validated ``numbers`` (the tensors are re-created at the next update) and
         ``updates`` (the checkpoint's count of updates: ``measure_every``'s phase)."""
         self.numbers, self.tensors, self.pending = numbers, None, None
-        self.updates = updates
+        self.phase = updates % config.measure_every
 
-    def set_scale(self, counted: bool) -> None:
+    def set_scale(self, counted: bool, config: ScalerConfig) -> None:
         """``update(new_scale)``: the amax is dropped; an iteration that counted (checked,
         as for the steps counter) counts for ``measure_every``'s phase."""
         self.pending = None
-        self.updates += counted
+        self.phase = (self.phase + counted) % config.measure_every

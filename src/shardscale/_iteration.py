@@ -37,8 +37,10 @@ ORDER = (
 STALE = (
     "ShardedGradScaler: an optimizer is stepped (or unscaled) after update() with no scale() "
     "since: its gradients were scaled before that update(), by a scale update() may have "
-    "changed. Call update() once per iteration, after every optimizer's step(): "
-    "scale(loss).backward() -> step(opt_1) ... step(opt_n) -> update()."
+    "changed, or this iteration's backward() ran on a loss not passed to scale() (its "
+    "gradients are unscaled by the scale all the same). Call update() once per iteration, "
+    "after every optimizer's step(): scale(loss).backward() -> step(opt_1) ... step(opt_n) "
+    "-> update()."
 )
 _ADDED_TO = (
     "ShardedGradScaler: a backward pass added its scaled gradients to gradients unscale_() (or "

@@ -425,11 +425,24 @@ class HostBounds:
             self.lo = max(self.lo * config.backoff_factor, config.min_scale)
             self.below_one = self.lo < 1.0
 
+    def safe_updates(self, config: ScalerConfig) -> float:
+        """How many updates the host may leave unseen (a compiled loop's ``update()`` calls,
+        until a step reads the scale again) with the scale still known to be at least 1:
+        backoffs by ``backoff_factor`` from :attr:`lo` (inf where no update goes below 1;
+        0 once :attr:`below_one`)."""
+        if config.lowest >= 1.0 or not config.dynamic:
+            return math.inf
+        if self.below_one:
+            return 0
+        return math.floor(math.log(self.lo) / -math.log(config.backoff_factor))
+
     def free(self, config: ScalerConfig) -> bool:
         """Whether the next update can neither reach a bound nor collapse, and the policy is
         :attr:`ScalerConfig.plain`: the update may take the plain path (margins of 2x for the
-        float32 rounding of the products)."""
-        if not config.plain:
+        float32 rounding of the products). Never while ``torch.compile`` traces: a compiled
+        ``update()`` runs again with the host's bounds left as they were at tracing (its
+        updates go unseen), so it keeps the bounds and the collapse guard."""
+        if not config.plain or torch.compiler.is_compiling():
             return False
         low = self.lo * config.backoff_factor >= 2.0 * config.min_scale
         return low and self.hi(config) * config.growth_factor * 2.0 <= config.max_scale

@@ -21,8 +21,8 @@ The optimizer's own ``step`` is kept out of ``torch.compile`` graphs (it breaks 
 :class:`Stepping` is a mixin of :class:`shardscale.ShardedGradScaler`: each kind's step after
 the record of the check (``_checking.Checking``), recorded by
 :meth:`~shardscale._iteration.Iteration.stepped`. It reads the scaler's ``_it``, ``_calls``,
-``_schedule``, ``_bounds`` and ``_loss_scale``, and calls its ``_check``, ``_unscale`` and
-``_poll``.
+``_schedule``, ``_bounds``, ``_config`` and ``_loss_scale``, and calls its ``_check``,
+``_unscale`` and ``_poll``.
 """
 
 from __future__ import annotations
@@ -97,15 +97,16 @@ def fused(
     found_inf: Any,
     user: Any,
     shadowing: bool,
-    catch_up: tuple[Any, Callable[[], None]],
+    catch_up: tuple[Any, Callable[[], float], Callable[[], None]],
     *args: Any,
     **kwargs: Any,
 ) -> Any:
     """``optimizer.step`` with ``grad_scale``/``found_inf`` set (the user's ``grad_scale`` put
     back after); nothing when ``shadowing`` (a joined rank). ``catch_up``: the alarm's
-    ``Schedule`` and its read, for a compiled loop (counted here, out of the graph)."""
-    schedule, poll = catch_up
-    if schedule.step(blind=True):
+    ``Schedule``, the updates it may leave unseen and its read, for a compiled loop (counted
+    here, out of the graph)."""
+    schedule, safe, poll = catch_up
+    if schedule.step(True, safe):
         poll()
     if shadowing:
         return None
@@ -152,15 +153,22 @@ class Stepping:
     _check: Any
     _unscale: Any
     _poll: Any
+    _config: Any
+
+    def _safe_updates(self) -> float:
+        """Updates the host need not see for the scale to stay >= 1 (a compiled loop's)."""
+        return self._bounds.safe_updates(self._config)
 
     @torch.compiler.disable  # the host read; the schedule's count would recompile a graph
     def _plain_step(self, optimizer: Any, state: dict[str, Any], args: Any, kwargs: Any) -> Any:
         """A checked non-fused ``optimizer`` (``state``: its record): one host read of the
         agreed flag, ``optimizer.step`` only if it is 0."""
-        if self._schedule.step():  # a compiled loop's catch-up read of the alarm
+        if self._schedule.step(False, self._safe_updates):  # a compiled loop's catch-up read
             self._poll()
         flags = list(state["found_inf_per_device"].values())
         overflow, retval = plain(optimizer, flags, self._calls.shadowing, args, kwargs)
+        if overflow and "scaled" in state:  # agreed: a rank's error or mismatch raises here,
+            self._poll(collapse=False)  # before update() could back any rank's scale off for it
         self._it.stepped(optimizer, state, overflow)
         return retval
 
@@ -178,7 +186,8 @@ class Stepping:
         user = getattr(optimizer, "grad_scale", None)
         grad_scale, found_inf = fused_inputs(state, user, scale.device)
         self._it.stepped(optimizer, state, found_inf > 0)
-        shadowing, catch_up = self._calls.shadowing, (self._schedule, self._poll)
+        catch_up = (self._schedule, self._safe_updates, self._poll)
+        shadowing = self._calls.shadowing
         return fused(optimizer, grad_scale, found_inf, user, shadowing, catch_up, *args, **kwargs)
 
     def _grad_scaler_step(self, optimizer: Any, state: dict[str, Any], args: Any, kwargs: Any):

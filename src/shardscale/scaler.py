@@ -334,7 +334,7 @@ class ShardedGradScaler(
         config, bounds = self._config, self._bounds
         if value is not None:
             old = self._loss_scale.set_(value, found_inf)  # the iteration is still counted
-            self._headroom.set_scale(found_inf is not None)
+            self._headroom.set_scale(found_inf is not None, config)
         else:
             if config.headroom:
                 unit = self._loss_scale.unit
@@ -351,6 +351,7 @@ class ShardedGradScaler(
             last = it.last = LastStep(state.counters, -1, old, found_inf, refs, still_scaled)
         self._reporter.forget()  # a mid-iteration report may miss optimizers stepped later
         if torch.compiler.is_compiling():
+            self._schedule.unseen = True  # the host's bounds miss this update
             return
         bounds.after_update(config, seen_clean, value)
         if last is not None and self._report_overflows and bool(last.found_inf > 0):
@@ -405,11 +406,13 @@ class ShardedGradScaler(
             self._lazy_init_scale_growth_tracker(params[0].device if params else self._device)
         return self._it.record(optimizer)
 
-    def _poll(self) -> None:
+    def _poll(self, collapse: bool = True) -> None:
         """Read the alarm (one host read): raise on a rank mismatch, raise or warn on a collapse
-        (every rank polls at the same update: the report is gathered over the ranks)."""
+        (every rank polls at the same update: the report is gathered over the ranks; not
+        ``collapse``: left for the update's read)."""
         self._schedule.read()
-        collapse, now = self._alarm.read(_sync.rank(), self._loss_scale.tensors.scale)
+        scale = self._loss_scale.tensors.scale
+        collapse, now = self._alarm.read(_sync.rank(), scale, collapse)
         self._bounds.set_exact(now)
         if collapse is not None:
             groups, shadowing = _sync.resolve_groups(self.process_group), self._calls.shadowing
@@ -593,7 +596,7 @@ class ShardedGradScaler(
             _checkpoint.warn_load_after_scale()
             self.abandon()
         self._loss_scale.load(loaded.numbers)
-        self._headroom.load(loaded.headroom, loaded.counters[0])  # steps
+        self._headroom.load(loaded.headroom, loaded.counters[0], loaded.config)  # steps
         self._config = loaded.config
         self._it.loaded()  # a step before the next scale() is checkpoint plumbing
         self._verify = True

@@ -186,6 +186,7 @@ class ShardscaleCallback(transformers.TrainerCallback):
         extra = {"loss_scale": metrics["scale"], "skipped_steps": metrics["skipped_steps"]}
         if self._numerics is not None and self._numerics[0] == state.global_step:
             extra.update(self._numerics[1])
+            self._numerics = None  # the step's own log only, not the end-of-training summary
         history = state.log_history
         if history and history[-1].get("step") == state.global_step:
             if history[-1].keys() >= logs.keys():
