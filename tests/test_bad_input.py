@@ -138,6 +138,8 @@ def ctor(**kw: Any) -> C:
 
 for cid, kw, exc, match in [
     ("device_int", {"device": 3}, TypeError, "device must be"),
+    ("device_meta", {"device": "meta"}, ValueError, "device='meta' holds no data"),
+    ("device_meta_obj", {"device": torch.device("meta")}, ValueError, "holds no data"),
     ("enabled_str", {"enabled": "yes"}, TypeError, "enabled must be a bool"),
     ("init_scale_nan", {"init_scale": NAN}, ValueError, "init_scale must be finite"),
     ("init_scale_inf", {"init_scale": INF}, ValueError, "init_scale must be finite"),
@@ -727,3 +729,19 @@ def test_a_bad_policy_field_in_a_state_dict_is_named_by_its_key_and_changes_noth
     with pytest.raises(ValueError) as err:
         scaler.set_growth_factor(0.5)
     assert "swapped" not in str(err.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without CUDA")
+def test_update_new_scale_first_on_a_device_torch_lacks_is_refused_and_recoverable():
+    """``device="cuda"`` on a CPU-only build stays enabled (the scale goes where the first
+    scaled loss is); update(new_scale) before any scale() would create the scale on CUDA: it
+    is refused naming the call, nothing is created, and the next iteration runs on the CPU."""
+    s = ShardedGradScaler("cuda", init_scale=8.0)
+    with pytest.raises(RuntimeError, match=r"update\(new_scale\) before any scale\(\) on 'cuda'"):
+        s.update(new_scale=4.0)
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.1)
+    s.scale(w.sum()).backward()
+    s.step(opt)
+    s.update()
+    assert s.get_scale() == 8.0 and w.grad.device.type == "cpu"

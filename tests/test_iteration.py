@@ -273,7 +273,7 @@ def test_place_creates_the_state_before_the_first_scale_and_is_idempotent():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch or machine without CUDA")
 def test_place_on_a_device_torch_cannot_use_says_so_and_changes_nothing():
     s = ShardedGradScaler("cpu")
-    with pytest.raises(RuntimeError, match=r"place\('cuda'\): torch cannot create tensors"):
+    with pytest.raises(RuntimeError, match=r"place\(\) on 'cuda': torch cannot create tensors"):
         s.place("cuda")
     assert s._get_scale_async() is None and s.scale(torch.ones(())).item() == 2.0**16
 

@@ -367,9 +367,15 @@ def device_type(device: object) -> str:
         )
         return default
     try:
-        return torch.device(kind).type
+        kind = torch.device(kind).type
     except RuntimeError as e:
         raise ValueError(f"device={kind!r} is not a device torch knows: {e}") from None
+    if kind == "meta":
+        raise ValueError(
+            "device='meta' holds no data, and the loss scale is a tensor: pass the device the "
+            "loss will be on ('cuda', 'cpu', ...)."
+        )
+    return kind
 
 
 def settings(
@@ -535,8 +541,8 @@ def _new_scale(new_scale: object, config: ScalerConfig) -> float:
     return check_policy_scale("new_scale", new_scale, config)
 
 
-def check_device(device: object) -> torch.device:
-    """A ``str`` or ``torch.device`` naming a device with data.
+def check_device(device: object, call: str = "place()") -> torch.device:
+    """A ``str`` or ``torch.device`` naming a device with data (``call``: named in errors).
 
     Raises:
         TypeError: not a str or ``torch.device``.
@@ -547,12 +553,12 @@ def check_device(device: object) -> torch.device:
         raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}.")
     device = torch.device(device)
     if device.type == "meta":
-        raise ValueError("place() needs a device with data, got the meta device.")
+        raise ValueError(f"{call} needs a device with data, got the meta device.")
     try:
         torch.empty(0, device=device)
     except (AssertionError, RuntimeError) as e:  # e.g. torch built without CUDA
         raise RuntimeError(
-            f"place({str(device)!r}): torch cannot create tensors there ({e}); pass a device "
-            "this machine and torch build have."
+            f"{call} on {str(device)!r}: torch cannot create tensors there ({e}); pass a "
+            "device this machine and torch build have."
         ) from e
     return device

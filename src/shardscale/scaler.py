@@ -323,7 +323,9 @@ class ShardedGradScaler(
                 "update() was called but no optimizer was stepped or unscaled since the last "
                 f"update(); the order is {ORDER}.",
             )
-        self._lazy_init_scale_growth_tracker(self._device)  # update(new_scale) first
+        if self._loss_scale.tensors is None:  # update(new_scale) first: the constructor's
+            check_device(self._device, "update(new_scale) before any scale()")  # device
+        self._lazy_init_scale_growth_tracker(self._device)
         state = self._loss_scale.tensors
         counts, seen_clean, still_scaled = it.counts(), it.seen_clean(), it.still_scaled()
         read_overflow = it.read_overflow
