@@ -167,7 +167,9 @@ _UNMATCHED = (
     "ShardedGradScaler: the all-reduce of {call}{step} failed on rank {rank}: "
     "another rank of the process group did not make the same call in time, or made another "
     "collective instead. Likely causes: a rank ran out of data (uneven inputs: run the loop "
-    "inside torch.distributed.algorithms.Join([model, scaler])), a rank skipped or added a "
+    "inside torch.distributed.algorithms.Join([model, scaler]); inside Join, a rank with no "
+    "batch at all repeats one agreement per iteration: with several optimizers or "
+    "clip_grad_norm_, give every rank at least one batch), a rank skipped or added a "
     "step()/unscale_()/clip_grad_norm_() call, crashed, or was given another process group. "
     "Every rank must make the same scaler calls in the same order. ({error})"
 )
