@@ -135,6 +135,10 @@ class Schedule:
             return True
         return False
 
+    def compiled_update(self) -> None:
+        """A compiled ``update()`` ran (a constant store in its graph: no guard, no recompile)."""
+        self.unseen = True
+
     def update_due(self, read_overflow: bool, below_one: bool, refresh: bool) -> bool:
         """An eager ``update()`` ran: whether to read the alarm now (``refresh``: the host's
         bounds of the scale would gain from an exact value)."""

@@ -156,8 +156,7 @@ class ShardedGradScaler(
         self.process_group = process_group
         self.rank_local_params = args.rank_local_params
         self._report_overflows = args.report_overflows
-        #: the policy fields set away from their defaults: kept over a checkpoint's
-        # dynamic: the mode (fp16 loss scaling or the guard) is the constructor's, always
+        #: policy fields set away from their defaults, kept over a checkpoint's (dynamic: always)
         named = ("dynamic", "policy") if policy else ("dynamic",)
         self._asked = _checkpoint.asked(args.config, named=named)
         Joinable.__init__(self)
@@ -313,9 +312,8 @@ class ShardedGradScaler(
         self._calls.note("update", new_scale)
 
     def _update(self, new_scale: float | torch.Tensor | None) -> None:
-        value = (
-            None if new_scale is None else check_new_scale(new_scale, self._config)
-        )  # validate first
+        # validate first
+        value = None if new_scale is None else check_new_scale(new_scale, self._config)
         it = self._it
         if not it.inf_checks()[0] and value is None:
             self._fail(
@@ -323,9 +321,8 @@ class ShardedGradScaler(
                 "update() was called but no optimizer was stepped or unscaled since the last "
                 f"update(); the order is {ORDER}.",
             )
-        if self._loss_scale.tensors is None:  # update(new_scale) first: the constructor's
-            check_device(self._device, "update(new_scale) before any scale()")  # device
-        self._lazy_init_scale_growth_tracker(self._device)
+        if self._loss_scale.tensors is None:  # update(new_scale) first: the constructor's device
+            self.place(check_device(self._device, "update(new_scale) before any scale()"))
         state = self._loss_scale.tensors
         counts, seen_clean, still_scaled = it.counts(), it.seen_clean(), it.still_scaled()
         read_overflow = it.read_overflow
@@ -353,7 +350,7 @@ class ShardedGradScaler(
             last = it.last = LastStep(state.counters, -1, old, found_inf, refs, still_scaled)
         self._reporter.forget()  # a mid-iteration report may miss optimizers stepped later
         if torch.compiler.is_compiling():
-            self._schedule.unseen = True  # the host's bounds miss this update
+            self._schedule.compiled_update()  # the host's bounds miss this update
             return
         bounds.after_update(config, seen_clean, value)
         if last is not None and self._report_overflows and bool(last.found_inf > 0):
@@ -410,11 +407,9 @@ class ShardedGradScaler(
 
     def _poll(self, collapse: bool = True) -> None:
         """Read the alarm (one host read): raise on a rank mismatch, raise or warn on a collapse
-        (every rank polls at the same update: the report is gathered over the ranks; not
-        ``collapse``: left for the update's read)."""
+        (not ``collapse``: left for the update's; all ranks poll at once: reports gathered)."""
         self._schedule.read()
-        scale = self._loss_scale.tensors.scale
-        collapse, now = self._alarm.read(_sync.rank(), scale, collapse)
+        collapse, now = self._alarm.read(_sync.rank(), self._loss_scale.tensors.scale, collapse)
         self._bounds.set_exact(now)
         if collapse is not None:
             groups, shadowing = _sync.resolve_groups(self.process_group), self._calls.shadowing
