@@ -168,7 +168,7 @@ class Stepping:
         flags = list(state["found_inf_per_device"].values())
         overflow, retval = plain(optimizer, flags, self._calls.shadowing, args, kwargs)
         if overflow and "scaled" in state:  # agreed: a rank's error or mismatch raises here,
-            self._poll(collapse=False)  # before update() could back any rank's scale off for it
+            self._poll(collapses=False)  # before update() could back any rank's scale off for it
         self._it.stepped(optimizer, state, overflow)
         return retval
 

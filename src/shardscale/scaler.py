@@ -405,11 +405,11 @@ class ShardedGradScaler(
             self._lazy_init_scale_growth_tracker(params[0].device if params else self._device)
         return self._it.record(optimizer)
 
-    def _poll(self, collapse: bool = True) -> None:
+    def _poll(self, collapses: bool = True) -> None:
         """Read the alarm (one host read): raise on a rank mismatch, raise or warn on a collapse
-        (not ``collapse``: left for the update's; all ranks poll at once: reports gathered)."""
+        (not ``collapses``: left for the update's; all ranks poll at once: reports gathered)."""
         self._schedule.read()
-        collapse, now = self._alarm.read(_sync.rank(), self._loss_scale.tensors.scale, collapse)
+        collapse, now = self._alarm.read(_sync.rank(), self._loss_scale.tensors.scale, collapses)
         self._bounds.set_exact(now)
         if collapse is not None:
             groups, shadowing = _sync.resolve_groups(self.process_group), self._calls.shadowing
