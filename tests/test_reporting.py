@@ -469,6 +469,25 @@ def test_fused_collapse_is_raised_at_the_next_alarm_read(kind):
     assert scaler.metrics()["steps"] == POLL_EVERY  # the update itself was applied
 
 
+def test_a_collapse_read_after_clean_steps_says_where_its_gradients_went():
+    """A fused loop reads the alarm every POLL_EVERY updates: a collapse whose steps were
+    followed by clean ones is read with finite gradients, and the message says why none are
+    named (it names the step and scale all the same)."""
+    from shardscale.scaler import POLL_EVERY
+
+    model, opt = make("adam_fused")
+    scaler = ShardedGradScaler("cpu", max_consecutive_skips=3, param_names=model)
+    with pytest.raises(ScaleCollapseError) as info:
+        for i in range(POLL_EVERY):
+            opt.zero_grad()
+            backward(scaler, model, i, {"head.bias": INF} if i < 3 else None)
+            scaler.step(opt)
+            scaler.update()
+    assert info.value.step == 2 and info.value.scale == 2.0**14
+    assert "none in the last step's gradients" in str(info.value)
+    assert "up to 16 updates after the collapse" in str(info.value)
+
+
 def test_non_fused_collapse_is_raised_by_the_update_that_collapsed():
     model, opt = make("sgd")
     scaler = ShardedGradScaler("cpu", max_consecutive_skips=2)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from . import _sync
+from ._alarm import POLL_EVERY
 from ._config import ScalerConfig, round_f32
 from ._grads import grad_values, to_device
 from ._iteration import Iteration, LastStep
@@ -269,7 +270,11 @@ def collapse_error(
         cause = "The NaN/inf does not come from the scale: "
     where = ", ".join(
         f"{e.name} on rank {e.rank} ({e.n_inf} inf, {e.n_nan} NaN)" for e in entries
-    ) or ("none found (gradients already zeroed, or on a rank not scanned)")
+    ) or (
+        "none in the last step's gradients (scanned when the alarm is read: up to "
+        f"{POLL_EVERY} updates after the collapse with fused optimizers or a compiled loop; or "
+        "zeroed already, or on a rank not scanned)"
+    )
     msg = (
         f"loss scale collapsed at step {step} (rank {rank}, loss scale {scale:g}): {why}. "
         f"Non-finite gradients: {where}. {cause}{look}"
